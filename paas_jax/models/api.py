@@ -1,0 +1,317 @@
+"""Inference API: ``prefill``, ``decode_step``, sampling and ``generate``.
+
+Everything is a pure function of an explicit ``Model`` (config + NNX graph
+definition + parameter pytree) and an explicit ``DecodeState``. The jitted
+cores are compiled once per (shape, graph) and reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paas_jax.models.attention import Chunk
+from paas_jax.models.config import ModelConfig
+from paas_jax.models.hybrid import HybridLM
+from paas_jax.state import DecodeState, LayerCache, init_state, round_up
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """A model as explicit pytrees: ``params`` is the NNX parameter state.
+
+  ``blocks`` holds each block's own (graphdef, params) view of the same
+  arrays, for layer-by-layer prefill.
+  """
+
+  config: ModelConfig
+  graphdef: nnx.GraphDef
+  params: nnx.State
+  blocks: tuple[tuple[nnx.GraphDef, nnx.State], ...]
+
+  @classmethod
+  def from_module(cls, module: HybridLM) -> "Model":
+    graphdef, params = nnx.split(module)
+    blocks = tuple(nnx.split(block) for block in module.blocks)
+    return cls(config=module.config, graphdef=graphdef, params=params, blocks=blocks)
+
+  @classmethod
+  def create(cls, config: ModelConfig, seed: int = 0) -> "Model":
+    """A randomly initialised model (deterministic for ``seed``)."""
+    return cls.from_module(HybridLM(config, rngs=nnx.Rngs(params=seed)))
+
+  def module(self) -> HybridLM:
+    return nnx.merge(self.graphdef, self.params)
+
+  @property
+  def n_params(self) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(self.params)))
+
+
+# -- jitted cores ---------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill_core(graphdef, params, tokens, state, n_valid):
+  return nnx.merge(graphdef, params).prefill(tokens, state, n_valid)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step_core(graphdef, params, tokens, state):
+  return nnx.merge(graphdef, params).step(tokens, state)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _embed_core(graphdef, params, tokens):
+  return nnx.merge(graphdef, params).embed(tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _block_prefill_core(block_graphdef, block_params, x, cache, chunk):
+  return nnx.merge(block_graphdef, block_params).prefill(x, cache, chunk)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _head_core(graphdef, params, x):
+  return nnx.merge(graphdef, params).logits(x)
+
+
+# -- input checks -----------------------------------------------------------------
+
+def _as_token_batch(tokens, config: ModelConfig) -> jax.Array:
+  """Validates tokens and returns int32 [batch, seq] (1-D input becomes batch 1)."""
+  if isinstance(tokens, jax.Array):
+    arr = tokens
+  else:
+    arr = np.asarray(tokens)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= config.vocab_size):
+      raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got range "
+                       f"[{arr.min()}, {arr.max()}]")
+  if arr.ndim == 1:
+    arr = arr[None, :]
+  if arr.ndim != 2:
+    raise ValueError(f"tokens must be [seq] or [batch, seq], got shape {arr.shape}")
+  if arr.shape[1] == 0:
+    raise ValueError("tokens must not be empty")
+  return jnp.asarray(arr, jnp.int32)
+
+
+def _ensure_capacity(state: DecodeState, needed: int, config: ModelConfig) -> DecodeState:
+  if needed > config.max_seq_len:
+    raise ValueError(f"context of {needed} tokens exceeds max_seq_len="
+                     f"{config.max_seq_len} of model {config.name!r}")
+  capacity = state.capacity
+  if capacity is not None and capacity < needed:
+    state = state.grow(min(round_up(needed), max(config.max_seq_len, needed)))
+  return state
+
+
+def _prepare_prefill(model: Model, tokens, state: DecodeState | None, lengths):
+  tokens = _as_token_batch(tokens, model.config)
+  batch, seq = tokens.shape
+  if state is None:
+    state = init_state(model.config, batch, round_up(seq))
+    start = 0
+  else:
+    if state.batch_size != batch:
+      raise ValueError(f"state has batch {state.batch_size}, tokens have batch {batch}")
+    start = int(jnp.max(state.lengths))
+  n_valid = (jnp.full((batch,), seq, jnp.int32) if lengths is None
+             else jnp.asarray(lengths, jnp.int32))
+  if n_valid.shape != (batch,):
+    raise ValueError(f"lengths must have shape [{batch}], got {n_valid.shape}")
+  state = _ensure_capacity(state, start + seq, model.config)
+  return tokens, state, n_valid
+
+
+# -- public API -------------------------------------------------------------------
+
+def prefill(model: Model, tokens, state: DecodeState | None = None, *,
+            lengths: Sequence[int] | jax.Array | None = None
+            ) -> tuple[jax.Array, DecodeState]:
+  """Runs the prompt (or the next chunk of it) through the model.
+
+  Args:
+    model: the model.
+    tokens: int [seq] or [batch, seq]; rows may be right-padded, see ``lengths``.
+    state: state to continue from (chunked prefill); ``None`` starts fresh.
+    lengths: int [batch], real tokens per row (default: all of them).
+
+  Returns:
+    (logits f32 [batch, seq, vocab], the advanced state).
+  """
+  tokens, state, n_valid = _prepare_prefill(model, tokens, state, lengths)
+  return _prefill_core(model.graphdef, model.params, tokens, state, n_valid)
+
+
+def decode_step(model: Model, state: DecodeState, tokens) -> tuple[jax.Array, DecodeState]:
+  """One decode step for a batch of requests of possibly different lengths.
+
+  Args:
+    state: the requests' state (``lengths`` may differ per row).
+    tokens: int [batch], the last sampled token of each request.
+
+  Returns:
+    (logits f32 [batch, vocab], state advanced by one token per request).
+  """
+  tokens = _as_token_batch(tokens, model.config)[0] if not isinstance(
+      tokens, jax.Array) else tokens.astype(jnp.int32)
+  if tokens.shape != (state.batch_size,):
+    raise ValueError(f"decode_step takes one token per request: expected shape "
+                     f"[{state.batch_size}], got {tokens.shape}")
+  state = _ensure_capacity(state, int(jnp.max(state.lengths)) + 1, model.config)
+  return _step_core(model.graphdef, model.params, tokens, state)
+
+
+class LayerwisePrefill:
+  """Prefill that hands out each layer's cache as soon as it is computed.
+
+  Iterating yields ``(layer_index, layer_cache)`` in layer order; each layer is
+  a separate dispatch, so a consumer that serialises or sends layer ``i``
+  overlaps with the computation of layer ``i + 1``. After iteration,
+  ``logits`` and ``state`` equal what ``prefill`` returns.
+  """
+
+  def __init__(self, model: Model, tokens, state: DecodeState | None = None, *,
+               lengths=None):
+    self.model = model
+    self.tokens, self.initial_state, self.n_valid = _prepare_prefill(
+        model, tokens, state, lengths)
+    self.logits: jax.Array | None = None
+    self.state: DecodeState | None = None
+
+  def __iter__(self) -> Iterator[tuple[int, LayerCache]]:
+    model, state = self.model, self.initial_state
+    chunk = Chunk.make(state.lengths, self.n_valid, self.tokens.shape[1])
+    x = _embed_core(model.graphdef, model.params, self.tokens)
+    caches = []
+    for i, ((block_def, block_params), cache) in enumerate(zip(model.blocks, state.layers)):
+      x, cache = _block_prefill_core(block_def, block_params, x, cache, chunk)
+      caches.append(cache)
+      yield i, cache
+    self.logits = _head_core(model.graphdef, model.params, x)
+    self.state = DecodeState(layers=tuple(caches), lengths=state.lengths + self.n_valid)
+
+
+# -- sampling ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+
+
+def sampling_key(seed: int, position: int) -> jax.Array:
+  """The PRNG key for the token at ``position`` of a request seeded with ``seed``.
+
+  Keyed by absolute position, so a request samples the same tokens whether it
+  was prefilled locally or remotely and whatever batch it decodes in.
+  """
+  return jax.random.fold_in(jax.random.key(seed), position)
+
+
+@jax.jit
+def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
+                  top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Samples one token per row with per-row settings.
+
+  Args:
+    logits: f32 [batch, vocab].
+    keys: PRNG keys [batch].
+    temperature, top_p: f32 [batch]; top_k: int32 [batch] (0 = no limit).
+
+  Returns:
+    int32 [batch]; rows with ``temperature <= 0`` take the argmax.
+  """
+  vocab = logits.shape[-1]
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+  sorted_logits, sorted_idx = jax.lax.top_k(scaled, vocab)
+  ranks = jnp.arange(vocab)[None, :]
+  keep = (top_k[:, None] <= 0) | (ranks < top_k[:, None])
+  probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+  # Keep the smallest prefix whose mass reaches top_p (the first token always).
+  keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+  choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
+  sampled = jnp.take_along_axis(sorted_idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  return jnp.where(temperature <= 0, greedy, sampled)
+
+
+def sample(logits: jax.Array, params: SamplingParams, seed: int, positions) -> jax.Array:
+  """Samples [batch] tokens with one ``SamplingParams`` for the batch.
+
+  ``positions`` int [batch]: the absolute position each sampled token will take.
+  """
+  positions = np.asarray(positions).reshape(-1)
+  keys = jnp.stack([sampling_key(seed, int(p)) for p in positions])
+  batch = logits.shape[0]
+  return sample_tokens(logits, keys, jnp.full((batch,), params.temperature, jnp.float32),
+                       jnp.full((batch,), params.top_k, jnp.int32),
+                       jnp.full((batch,), params.top_p, jnp.float32))
+
+
+# -- generation -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+  tokens: list[int]
+  prefill_s: float
+  decode_s: float
+  stop_reason: str
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    steps = max(len(self.tokens) - 1, 0)
+    return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, *,
+             sampling: SamplingParams = SamplingParams(), seed: int = 0,
+             stop_tokens: Sequence[int] = ()) -> GenerationResult:
+  """Single-process reference generation: prefill the prompt, then decode.
+
+  The first new token comes from the prefill logits; each further token costs
+  one ``decode_step``. This is the ground truth the two-region deployment is
+  checked against, token for token.
+  """
+  if max_new_tokens <= 0:
+    raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+  prompt = list(prompt_ids)
+  if len(prompt) + max_new_tokens > model.config.max_seq_len:
+    raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
+                     f"max_seq_len={model.config.max_seq_len}")
+  stops = set(stop_tokens)
+  t0 = time.perf_counter()
+  logits, state = prefill(model, np.asarray(prompt, np.int32))
+  token = sample(logits[:, -1], sampling, seed, [len(prompt)])
+  out = [int(token[0])]
+  prefill_s = time.perf_counter() - t0
+  t1 = time.perf_counter()
+  reason = "stop_token" if out[0] in stops else "max_tokens"
+  while reason == "max_tokens" and len(out) < max_new_tokens:
+    logits, state = decode_step(model, state, token)
+    token = sample(logits, sampling, seed, [len(prompt) + len(out)])
+    out.append(int(token[0]))
+    if out[-1] in stops:
+      reason = "stop_token"
+  return GenerationResult(tokens=out, prefill_s=prefill_s,
+                          decode_s=time.perf_counter() - t1, stop_reason=reason)

@@ -1,0 +1,295 @@
+"""Frozen model configuration for hybrid-attention language models.
+
+A model is a stack of ``n_layers`` blocks. Each block has a token mixer chosen by
+one character of the layer pattern, followed by a feed-forward network:
+
+  ``A``  full causal attention (GQA/MQA, RoPE, optional output gate and QK-norm)
+  ``M``  multi-head latent attention (DeepSeek/Kimi MLA); caches the KV latent only
+  ``S``  sliding-window attention; caches a ring buffer of ``window`` positions
+  ``G``  gated delta rule linear attention (Gated DeltaNet or KDA gate)
+  ``m``  Mamba2 (SSD) mixer
+
+The pattern may be given in full or as a repeating unit such as ``"GGGA"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Literal
+
+import jax.numpy as jnp
+
+LAYER_KINDS = ("A", "M", "S", "G", "m")
+ATTENTION_KINDS = ("A", "S")
+RECURRENT_KINDS = ("G", "m")
+
+
+def _fail(field: str, message: str) -> None:
+  raise ValueError(f"{field}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Softmax attention (``A`` and ``S`` layers).
+
+  Attributes:
+    n_heads: query heads.
+    n_kv_heads: key/value heads; must divide ``n_heads`` (1 = MQA).
+    head_dim: per-head width; ``None`` means ``d_model // n_heads``.
+    rope_theta: RoPE base.
+    rope_fraction: fraction of ``head_dim`` that is rotated (partial RoPE).
+    output_gate: Qwen3-Next style sigmoid gate on the attention output.
+    qk_norm: RMS-normalise queries and keys per head before RoPE.
+    window: sliding window (positions) used by ``S`` layers.
+  """
+
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int | None = None
+  rope_theta: float = 10_000.0
+  rope_fraction: float = 1.0
+  output_gate: bool = False
+  qk_norm: bool = False
+  window: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+  """Multi-head latent attention (``M`` layers).
+
+  The cache holds only ``kv_lora_rank`` latent channels plus the decoupled
+  ``qk_rope_head_dim`` RoPE key per token, shared by all heads.
+  """
+
+  n_heads: int
+  kv_lora_rank: int
+  qk_nope_head_dim: int
+  qk_rope_head_dim: int
+  v_head_dim: int
+  q_lora_rank: int = 0  # 0: queries come from a plain projection.
+  rope_theta: float = 10_000.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaConfig:
+  """Gated delta rule linear attention (``G`` layers).
+
+  ``gate="gdn"`` is Gated DeltaNet (one log-decay per head, Qwen3-Next);
+  ``gate="kda"`` is Kimi Delta Attention (one log-decay per key channel).
+  ``n_v_heads`` may exceed ``n_k_heads``; queries and keys are then shared
+  by groups of value heads.
+  """
+
+  n_k_heads: int
+  n_v_heads: int
+  head_k_dim: int
+  head_v_dim: int
+  gate: Literal["gdn", "kda"] = "gdn"
+  conv_kernel: int = 4
+  chunk_size: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2Config:
+  """Mamba2 SSD mixer (``m`` layers)."""
+
+  n_heads: int
+  head_dim: int
+  d_state: int
+  n_groups: int = 1
+  conv_kernel: int = 4
+  chunk_size: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Top-k mixture of experts replacing the dense MLP."""
+
+  n_experts: int
+  top_k: int
+  d_expert: int
+  n_shared_experts: int = 0
+  router: Literal["softmax", "sigmoid"] = "softmax"
+  normalize_top_k: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A hybrid-attention decoder-only language model.
+
+  Attributes:
+    name: registry name (also the model id written into state manifests).
+    vocab_size: token vocabulary.
+    d_model: residual width.
+    n_layers: number of blocks.
+    layer_pattern: per-layer mixer kinds, full length or a repeating unit.
+    d_ff: SwiGLU hidden width of the dense MLP.
+    attention / mla / gated_delta / mamba2: per-kind settings; required
+      exactly when the pattern uses that kind.
+    moe: if set, every block uses a mixture of experts instead of the MLP.
+    norm_eps: RMSNorm epsilon.
+    tie_embeddings: share the input embedding with the output head.
+    dtype: activation and KV-cache dtype; recurrent states are always f32.
+    param_dtype: parameter storage dtype.
+    max_seq_len: the longest context a request may use.
+  """
+
+  name: str
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  layer_pattern: str | tuple[str, ...]
+  d_ff: int
+  attention: AttentionConfig | None = None
+  mla: MLAConfig | None = None
+  gated_delta: GatedDeltaConfig | None = None
+  mamba2: Mamba2Config | None = None
+  moe: MoEConfig | None = None
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  max_seq_len: int = 4096
+
+  def __post_init__(self):
+    self._validate()
+
+  # -- derived ---------------------------------------------------------------
+
+  @property
+  def layer_kinds(self) -> tuple[str, ...]:
+    """The mixer kind of every layer, ``len == n_layers``."""
+    unit = tuple(self.layer_pattern)
+    if len(unit) == self.n_layers:
+      return unit
+    return tuple(unit[i % len(unit)] for i in range(self.n_layers))
+
+  @property
+  def attention_head_dim(self) -> int:
+    assert self.attention is not None
+    return self.attention.head_dim or self.d_model // self.attention.n_heads
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.dtype)
+
+  @property
+  def weight_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.param_dtype)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "ModelConfig":
+    d = dict(d)
+    sub = {"attention": AttentionConfig, "mla": MLAConfig,
+           "gated_delta": GatedDeltaConfig, "mamba2": Mamba2Config,
+           "moe": MoEConfig}
+    for key, typ in sub.items():
+      if d.get(key) is not None:
+        d[key] = typ(**d[key])
+    if isinstance(d.get("layer_pattern"), list):
+      d["layer_pattern"] = tuple(d["layer_pattern"])
+    return cls(**d)
+
+  def fingerprint(self) -> str:
+    """A hash of everything that changes the math or the state layout.
+
+    Two processes may exchange decode states only if their fingerprints match;
+    the name is excluded so that renaming a config does not break transfers.
+    """
+    d = self.to_dict()
+    d.pop("name")
+    d["layer_pattern"] = "".join(self.layer_kinds)
+    blob = json.dumps(d, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+  def with_updates(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  # -- validation ------------------------------------------------------------
+
+  def _validate(self) -> None:
+    for field in ("vocab_size", "d_model", "n_layers", "d_ff", "max_seq_len"):
+      if getattr(self, field) <= 0:
+        _fail(f"ModelConfig.{field}", f"must be > 0, got {getattr(self, field)}")
+    if not self.layer_pattern:
+      _fail("ModelConfig.layer_pattern", "must not be empty")
+    for kind in self.layer_pattern:
+      if kind not in LAYER_KINDS:
+        _fail("ModelConfig.layer_pattern",
+              f"unknown layer kind {kind!r}; expected one of {LAYER_KINDS}")
+    if len(self.layer_pattern) > self.n_layers:
+      _fail("ModelConfig.layer_pattern",
+            f"has {len(self.layer_pattern)} entries but n_layers={self.n_layers}")
+    if self.n_layers % len(self.layer_pattern):
+      _fail("ModelConfig.layer_pattern",
+            f"repeating unit of length {len(self.layer_pattern)} does not tile "
+            f"n_layers={self.n_layers}")
+    for dt_field in ("dtype", "param_dtype"):
+      try:
+        jnp.dtype(getattr(self, dt_field))
+      except TypeError:
+        _fail(f"ModelConfig.{dt_field}", f"unknown dtype {getattr(self, dt_field)!r}")
+
+    kinds = set(self.layer_kinds)
+    needs = {"attention": kinds & {"A", "S"}, "mla": kinds & {"M"},
+             "gated_delta": kinds & {"G"}, "mamba2": kinds & {"m"}}
+    for field, used_by in needs.items():
+      if used_by and getattr(self, field) is None:
+        _fail(f"ModelConfig.{field}",
+              f"required by layer kind(s) {sorted(used_by)} in layer_pattern")
+
+    if self.attention is not None:
+      a = self.attention
+      if a.n_heads <= 0 or a.n_kv_heads <= 0:
+        _fail("AttentionConfig.n_heads", "n_heads and n_kv_heads must be > 0")
+      if a.n_heads % a.n_kv_heads:
+        _fail("AttentionConfig.n_kv_heads",
+              f"n_kv_heads={a.n_kv_heads} must divide n_heads={a.n_heads}")
+      if a.head_dim is None and self.d_model % a.n_heads:
+        _fail("AttentionConfig.n_heads",
+              f"n_heads={a.n_heads} does not divide d_model={self.d_model} "
+              "(set head_dim explicitly)")
+      head_dim = a.head_dim or self.d_model // a.n_heads
+      rot = int(head_dim * a.rope_fraction)
+      if not 0.0 < a.rope_fraction <= 1.0 or rot % 2:
+        _fail("AttentionConfig.rope_fraction",
+              f"{a.rope_fraction} must give an even rotary width in (0, head_dim]")
+      if "S" in kinds and a.window <= 0:
+        _fail("AttentionConfig.window", f"must be > 0 for 'S' layers, got {a.window}")
+    if self.mla is not None:
+      m = self.mla
+      for f in ("n_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim"):
+        if getattr(m, f) <= 0:
+          _fail(f"MLAConfig.{f}", f"must be > 0, got {getattr(m, f)}")
+      if m.qk_rope_head_dim % 2:
+        _fail("MLAConfig.qk_rope_head_dim", "must be even")
+    if self.gated_delta is not None:
+      g = self.gated_delta
+      if g.gate not in ("gdn", "kda"):
+        _fail("GatedDeltaConfig.gate", f"must be 'gdn' or 'kda', got {g.gate!r}")
+      if g.n_k_heads <= 0 or g.n_v_heads % g.n_k_heads:
+        _fail("GatedDeltaConfig.n_v_heads",
+              f"n_k_heads={g.n_k_heads} must divide n_v_heads={g.n_v_heads}")
+      if g.conv_kernel < 1:
+        _fail("GatedDeltaConfig.conv_kernel", "must be >= 1")
+      if g.chunk_size <= 0:
+        _fail("GatedDeltaConfig.chunk_size", "must be > 0")
+    if self.mamba2 is not None:
+      s = self.mamba2
+      if s.n_groups <= 0 or s.n_heads % s.n_groups:
+        _fail("Mamba2Config.n_groups",
+              f"n_groups={s.n_groups} must divide n_heads={s.n_heads}")
+      if s.conv_kernel < 1:
+        _fail("Mamba2Config.conv_kernel", "must be >= 1")
+      if s.chunk_size <= 0:
+        _fail("Mamba2Config.chunk_size", "must be > 0")
+    if self.moe is not None:
+      e = self.moe
+      if not 0 < e.top_k <= e.n_experts:
+        _fail("MoEConfig.top_k", f"must be in [1, n_experts={e.n_experts}], got {e.top_k}")

@@ -1,0 +1,111 @@
+"""The hybrid decoder-only language model (Flax NNX)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paas_jax.models.attention import Attention, Chunk, MLAttention
+from paas_jax.models.config import ModelConfig
+from paas_jax.models.layers import MLP, MoE, RMSNorm
+from paas_jax.models.recurrent import GatedDeltaNet, Mamba2
+from paas_jax.state import DecodeState
+
+
+def make_mixer(kind: str, config: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+  if kind == "A":
+    return Attention(config, rngs)
+  if kind == "S":
+    return Attention(config, rngs, window=config.attention.window)
+  if kind == "M":
+    return MLAttention(config, rngs)
+  if kind == "G":
+    return GatedDeltaNet(config, rngs)
+  if kind == "m":
+    return Mamba2(config, rngs)
+  raise ValueError(f"ModelConfig.layer_pattern: unknown layer kind {kind!r}")
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + ffn(norm(x))``."""
+
+  def __init__(self, kind: str, config: ModelConfig, rngs: nnx.Rngs):
+    self.kind = kind
+    self.mixer_norm = RMSNorm(config.d_model, config.norm_eps, config.weight_dtype)
+    self.mixer = make_mixer(kind, config, rngs)
+    self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, config.weight_dtype)
+    self.ffn = MoE(config, rngs) if config.moe else MLP(config.d_model, config.d_ff,
+                                                        config, rngs)
+
+  def prefill(self, x, cache, chunk: Chunk):
+    h, cache = self.mixer.prefill(self.mixer_norm(x), cache, chunk)
+    x = x + h
+    return x + self.ffn(self.ffn_norm(x)), cache
+
+  def step(self, x, cache, lengths):
+    h, cache = self.mixer.step(self.mixer_norm(x), cache, lengths)
+    x = x + h
+    return x + self.ffn(self.ffn_norm(x)), cache
+
+
+class HybridLM(nnx.Module):
+  """A stack of ``Block``s over a token embedding, with a (tied) output head."""
+
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    self.config = config
+    self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=config.compute_dtype,
+                           param_dtype=config.weight_dtype,
+                           embedding_init=nnx.initializers.normal(stddev=1.0),
+                           rngs=rngs)
+    self.blocks = nnx.List([Block(kind, config, rngs) for kind in config.layer_kinds])
+    self.final_norm = RMSNorm(config.d_model, config.norm_eps, config.weight_dtype)
+    if config.tie_embeddings:
+      self.lm_head = None
+    else:
+      self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False,
+                                dtype=config.compute_dtype,
+                                param_dtype=config.weight_dtype,
+                                kernel_init=nnx.initializers.normal(
+                                    stddev=config.d_model ** -0.5), rngs=rngs)
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """Final norm and output head: h [..., d_model] -> f32 logits [..., vocab]."""
+    h = self.final_norm(h)
+    if self.lm_head is None:
+      # Scaled so that a tied head starts with unit-scale logits.
+      out = self.embed.attend(h) * (self.config.d_model ** -0.5)
+    else:
+      out = self.lm_head(h)
+    return out.astype(jnp.float32)
+
+  def prefill(self, tokens: jax.Array, state: DecodeState, n_valid: jax.Array
+              ) -> tuple[jax.Array, DecodeState]:
+    """Processes a right-padded chunk that continues each request's state.
+
+    Args:
+      tokens: int32 [batch, seq].
+      state: the requests' state; attention caches must hold
+        ``lengths + seq`` positions.
+      n_valid: int32 [batch], real tokens in each row.
+
+    Returns:
+      (logits f32 [batch, seq, vocab], state advanced by ``n_valid`` tokens).
+    """
+    chunk = Chunk.make(state.lengths, n_valid, tokens.shape[1])
+    x = self.embed(tokens)
+    caches = []
+    for block, cache in zip(self.blocks, state.layers):
+      x, cache = block.prefill(x, cache, chunk)
+      caches.append(cache)
+    return self.logits(x), DecodeState(layers=tuple(caches),
+                                       lengths=state.lengths + n_valid)
+
+  def step(self, tokens: jax.Array, state: DecodeState) -> tuple[jax.Array, DecodeState]:
+    """One decode step: tokens int32 [batch] -> (logits f32 [batch, vocab], state)."""
+    x = self.embed(tokens)
+    caches = []
+    for block, cache in zip(self.blocks, state.layers):
+      x, cache = block.step(x, cache, state.lengths)
+      caches.append(cache)
+    return self.logits(x), DecodeState(layers=tuple(caches), lengths=state.lengths + 1)

@@ -1,0 +1,177 @@
+"""Shared building blocks: norms, RoPE, dense and MoE feed-forward, causal conv."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paas_jax.models.config import ModelConfig, MoEConfig
+
+
+def dense(d_in: int, d_out: int, config: ModelConfig, rngs: nnx.Rngs,
+          use_bias: bool = False) -> nnx.Linear:
+  return nnx.Linear(d_in, d_out, use_bias=use_bias, dtype=config.compute_dtype,
+                    param_dtype=config.weight_dtype,
+                    kernel_init=nnx.initializers.normal(stddev=d_in ** -0.5),
+                    rngs=rngs)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+  """RMS-normalises the last axis in f32 and returns ``x.dtype``."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return y.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm over the last axis with a learned scale initialised to one."""
+
+  def __init__(self, dim: int, eps: float, param_dtype=jnp.float32):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return rms_normalize(x, self.eps) * self.scale.value.astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+  """Per-head RMSNorm of a mixer output, multiplied by an activated gate.
+
+  Used on the outputs of gated delta rule and Mamba2 mixers:
+  ``norm(y) * act(z)`` over the last axis (one head or one group).
+  """
+
+  def __init__(self, dim: int, eps: float, activation: str = "silu",
+               param_dtype=jnp.float32):
+    self.eps = eps
+    self.activation = activation
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+
+  def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
+    gate = jax.nn.silu(z) if self.activation == "silu" else jax.nn.sigmoid(z)
+    return rms_normalize(y, self.eps) * self.scale.value.astype(y.dtype) * gate
+
+
+def rope_frequencies(rot_dim: int, theta: float) -> jax.Array:
+  """Inverse frequencies [rot_dim // 2] (f32)."""
+  return 1.0 / (theta ** (jnp.arange(0, rot_dim, 2, dtype=jnp.float32) / rot_dim))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rot_dim: int, theta: float) -> jax.Array:
+  """Rotates the first ``rot_dim`` channels of ``x`` (half-split convention).
+
+  Args:
+    x: [batch, seq, heads, head_dim] (or [batch, seq, head_dim]).
+    positions: int32 [batch, seq], absolute token positions.
+  """
+  squeeze = x.ndim == 3
+  if squeeze:
+    x = x[:, :, None, :]
+  angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(rot_dim, theta)
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  rot, rest = x[..., :rot_dim].astype(jnp.float32), x[..., rot_dim:]
+  x1, x2 = jnp.split(rot, 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  out = jnp.concatenate([rotated.astype(x.dtype), rest], axis=-1)
+  return out[:, :, 0, :] if squeeze else out
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+  def __init__(self, d_model: int, d_ff: int, config: ModelConfig, rngs: nnx.Rngs):
+    self.gate = dense(d_model, d_ff, config, rngs)
+    self.up = dense(d_model, d_ff, config, rngs)
+    self.down = dense(d_ff, d_model, config, rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class MoE(nnx.Module):
+  """Top-k mixture of SwiGLU experts with optional always-on shared experts.
+
+  Every expert is evaluated densely and combined with the (sparse) routing
+  weights: exact, simple and fine for the small models run on CPU; the
+  expert axis is the natural one to shard on accelerators.
+  """
+
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    moe: MoEConfig = config.moe
+    self.moe = moe
+    d, e, f = config.d_model, moe.n_experts, moe.d_expert
+    init = nnx.initializers.normal(stddev=d ** -0.5)
+    self.router = dense(d, e, config, rngs)
+    self.w_gate = nnx.Param(init(rngs.params(), (e, d, f), config.weight_dtype))
+    self.w_up = nnx.Param(init(rngs.params(), (e, d, f), config.weight_dtype))
+    self.w_down = nnx.Param(nnx.initializers.normal(stddev=f ** -0.5)(
+        rngs.params(), (e, f, d), config.weight_dtype))
+    self.shared = (MLP(d, f * moe.n_shared_experts, config, rngs)
+                   if moe.n_shared_experts else None)
+
+  def routing_weights(self, x: jax.Array) -> jax.Array:
+    """Dense routing weights [..., n_experts], zero outside each token's top-k."""
+    logits = self.router(x).astype(jnp.float32)
+    scores = (jax.nn.softmax(logits, axis=-1) if self.moe.router == "softmax"
+              else jax.nn.sigmoid(logits))
+    top_vals, top_idx = jax.lax.top_k(scores, self.moe.top_k)
+    if self.moe.normalize_top_k:
+      top_vals = top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
+    onehot = jax.nn.one_hot(top_idx, self.moe.n_experts, dtype=jnp.float32)
+    return jnp.einsum("...k,...ke->...e", top_vals, onehot)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    weights = self.routing_weights(x).astype(x.dtype)
+    dt = x.dtype
+    h = jax.nn.silu(jnp.einsum("...d,edf->...ef", x, self.w_gate.value.astype(dt)))
+    h = h * jnp.einsum("...d,edf->...ef", x, self.w_up.value.astype(dt))
+    y = jnp.einsum("...ef,efd,...e->...d", h, self.w_down.value.astype(dt), weights)
+    if self.shared is not None:
+      y = y + self.shared(x)
+    return y
+
+
+class CausalConv1d(nnx.Module):
+  """Depthwise causal convolution with a carried tail of the last inputs.
+
+  Weight: [kernel, channels]. Prefill prepends the cached tail ``conv_state``
+  [batch, kernel - 1, channels], so chunked prefill continues exactly.
+  """
+
+  def __init__(self, channels: int, kernel: int, config: ModelConfig, rngs: nnx.Rngs):
+    self.kernel = kernel
+    self.weight = nnx.Param(nnx.initializers.normal(stddev=kernel ** -0.5)(
+        rngs.params(), (kernel, channels), config.weight_dtype))
+
+  def __call__(self, x: jax.Array, conv_state: jax.Array, n_valid: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+    """Convolves a right-padded chunk.
+
+    Args:
+      x: [batch, seq, channels].
+      conv_state: [batch, kernel - 1, channels], inputs before this chunk.
+      n_valid: int32 [batch], valid (non-padding) tokens of each row.
+
+    Returns:
+      (y [batch, seq, channels], new conv_state: the last ``kernel - 1`` valid inputs).
+    """
+    k = self.kernel
+    seq = x.shape[1]
+    full = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)
+    w = self.weight.value.astype(x.dtype)
+    y = sum(full[:, i:i + seq] * w[i] for i in range(k))
+    if k == 1:
+      return y, conv_state
+    # Token j of the chunk sits at index j + k - 1 of `full`; the tail after
+    # n_valid tokens is full[n_valid : n_valid + k - 1].
+    idx = n_valid[:, None] + jnp.arange(k - 1)[None, :]
+    new_state = jnp.take_along_axis(full, idx[:, :, None], axis=1)
+    return y, new_state.astype(conv_state.dtype)
+
+  def step(self, x: jax.Array, conv_state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token: x [batch, channels] -> (y [batch, channels], new conv_state)."""
+    full = jnp.concatenate([conv_state.astype(x.dtype), x[:, None]], axis=1)
+    y = jnp.einsum("bkc,kc->bc", full, self.weight.value.astype(x.dtype))
+    return y, full[:, 1:].astype(conv_state.dtype)

@@ -1,0 +1,17 @@
+"""Decode state: typed per-layer caches, analytic sizes, prefix cache."""
+
+from paas_jax.state.cache import (
+    CAPACITY_ALIGN,
+    AttentionCache,
+    DecodeState,
+    GatedDeltaCache,
+    LayerCache,
+    Mamba2Cache,
+    MLACache,
+    SlidingWindowCache,
+    StateBytes,
+    abstract_state,
+    init_state,
+    round_up,
+    state_bytes,
+)

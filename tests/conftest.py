@@ -1,0 +1,6 @@
+"""Test-wide setup: 8 fake CPU devices for sharding tests (before jax is imported)."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

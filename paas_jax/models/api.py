@@ -44,8 +44,13 @@ class Model:
 
   @classmethod
   def create(cls, config: ModelConfig, seed: int = 0) -> "Model":
-    """A randomly initialised model (deterministic for ``seed``)."""
-    return cls.from_module(HybridLM(config, rngs=nnx.Rngs(params=seed)))
+    """A randomly initialised model (deterministic for ``seed``).
+
+    Initialisation runs as one compiled program: eager init would compile a
+    small program per parameter shape, which dominates start-up of small models.
+    """
+    init = nnx.jit(lambda: HybridLM(config, rngs=nnx.Rngs(params=seed)))
+    return cls.from_module(init())
 
   def module(self) -> HybridLM:
     return nnx.merge(self.graphdef, self.params)
@@ -114,7 +119,20 @@ def _ensure_capacity(state: DecodeState, needed: int, config: ModelConfig) -> De
   return state
 
 
+def prefill_bucket(seq: int) -> int:
+  """Padded chunk length for ``seq`` tokens: powers of two up to 512, then
+  multiples of 512, so a server compiles a handful of prefill shapes."""
+  if seq <= 512:
+    return max(8, 1 << (seq - 1).bit_length())
+  return -(-seq // 512) * 512
+
+
 def _prepare_prefill(model: Model, tokens, state: DecodeState | None, lengths):
+  """Validates, pads the chunk to its bucket and makes room in the state.
+
+  Returns (tokens [batch, bucket], state, n_valid [batch], seq); padding is
+  masked by ``n_valid`` exactly like right padding of ragged rows.
+  """
   tokens = _as_token_batch(tokens, model.config)
   batch, seq = tokens.shape
   if state is None:
@@ -129,7 +147,10 @@ def _prepare_prefill(model: Model, tokens, state: DecodeState | None, lengths):
   if n_valid.shape != (batch,):
     raise ValueError(f"lengths must have shape [{batch}], got {n_valid.shape}")
   state = _ensure_capacity(state, start + seq, model.config)
-  return tokens, state, n_valid
+  bucket = prefill_bucket(seq)
+  if bucket > seq:
+    tokens = jnp.pad(tokens, ((0, 0), (0, bucket - seq)))
+  return tokens, state, n_valid, seq
 
 
 # -- public API -------------------------------------------------------------------
@@ -148,8 +169,9 @@ def prefill(model: Model, tokens, state: DecodeState | None = None, *,
   Returns:
     (logits f32 [batch, seq, vocab], the advanced state).
   """
-  tokens, state, n_valid = _prepare_prefill(model, tokens, state, lengths)
-  return _prefill_core(model.graphdef, model.params, tokens, state, n_valid)
+  tokens, state, n_valid, seq = _prepare_prefill(model, tokens, state, lengths)
+  logits, state = _prefill_core(model.graphdef, model.params, tokens, state, n_valid)
+  return logits[:, :seq], state
 
 
 def decode_step(model: Model, state: DecodeState, tokens) -> tuple[jax.Array, DecodeState]:
@@ -183,7 +205,7 @@ class LayerwisePrefill:
   def __init__(self, model: Model, tokens, state: DecodeState | None = None, *,
                lengths=None):
     self.model = model
-    self.tokens, self.initial_state, self.n_valid = _prepare_prefill(
+    self.tokens, self.initial_state, self.n_valid, self.seq = _prepare_prefill(
         model, tokens, state, lengths)
     self.logits: jax.Array | None = None
     self.state: DecodeState | None = None
@@ -197,7 +219,7 @@ class LayerwisePrefill:
       x, cache = _block_prefill_core(block_def, block_params, x, cache, chunk)
       caches.append(cache)
       yield i, cache
-    self.logits = _head_core(model.graphdef, model.params, x)
+    self.logits = _head_core(model.graphdef, model.params, x)[:, :self.seq]
     self.state = DecodeState(layers=tuple(caches), lengths=state.lengths + self.n_valid)
 
 
@@ -227,6 +249,13 @@ def sampling_key(seed: int, position: int) -> jax.Array:
   was prefilled locally or remotely and whatever batch it decodes in.
   """
   return jax.random.fold_in(jax.random.key(seed), position)
+
+
+@jax.jit
+def sampling_keys(seeds, positions: jax.Array) -> jax.Array:
+  """Vectorised ``sampling_key``: seeds int [batch] (or a scalar), positions int [batch]."""
+  seeds = jnp.broadcast_to(jnp.asarray(seeds, jnp.uint32), positions.shape)
+  return jax.vmap(sampling_key)(seeds, positions)
 
 
 @jax.jit
@@ -261,8 +290,7 @@ def sample(logits: jax.Array, params: SamplingParams, seed: int, positions) -> j
 
   ``positions`` int [batch]: the absolute position each sampled token will take.
   """
-  positions = np.asarray(positions).reshape(-1)
-  keys = jnp.stack([sampling_key(seed, int(p)) for p in positions])
+  keys = sampling_keys(seed, jnp.asarray(positions, jnp.int32).reshape(-1))
   batch = logits.shape[0]
   return sample_tokens(logits, keys, jnp.full((batch,), params.temperature, jnp.float32),
                        jnp.full((batch,), params.top_k, jnp.int32),

@@ -19,7 +19,7 @@ from flax import nnx
 from pallas_kernels.flash_attention.ops import flash_attention
 from pallas_kernels.paged_attention.ops import paged_attention, paged_mla_attention
 from paas_jax.models.config import ModelConfig
-from paas_jax.models.layers import RMSNorm, apply_rope, dense
+from paas_jax.models.layers import apply_rope, dense, make_norm
 from paas_jax.state import AttentionCache, MLACache, SlidingWindowCache
 
 
@@ -94,6 +94,9 @@ def _ring_positions(window: int, lengths: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
   """GQA/MQA attention with RoPE, optional QK-norm and sigmoid output gate.
 
+  With the output gate, ``q_proj`` yields per head the query followed by its
+  gate (``[q_0, g_0, q_1, g_1, ...]``), Qwen3-Next's layout.
+
   With ``window`` set it is a sliding-window layer (``S``) whose cache is a
   ring buffer of ``window`` positions; otherwise a full-attention layer (``A``).
   """
@@ -104,16 +107,19 @@ class Attention(nnx.Module):
     self.head_dim = config.attention_head_dim
     self.rot_dim = int(self.head_dim * a.rope_fraction)
     self.rope_theta = a.rope_theta
+    self.use_rope = a.use_rope
     self.output_gate = a.output_gate
     self.window = window
     q_width = self.n_heads * self.head_dim * (2 if a.output_gate else 1)
-    self.q_proj = dense(config.d_model, q_width, config, rngs)
-    self.k_proj = dense(config.d_model, self.n_kv_heads * self.head_dim, config, rngs)
-    self.v_proj = dense(config.d_model, self.n_kv_heads * self.head_dim, config, rngs)
-    self.o_proj = dense(self.n_heads * self.head_dim, config.d_model, config, rngs)
+    kv_width = self.n_kv_heads * self.head_dim
+    self.q_proj = dense(config.d_model, q_width, config, rngs, use_bias=a.bias)
+    self.k_proj = dense(config.d_model, kv_width, config, rngs, use_bias=a.bias)
+    self.v_proj = dense(config.d_model, kv_width, config, rngs, use_bias=a.bias)
+    self.o_proj = dense(self.n_heads * self.head_dim, config.d_model, config, rngs,
+                        use_bias=a.bias)
     if a.qk_norm:
-      self.q_norm = RMSNorm(self.head_dim, config.norm_eps, config.weight_dtype)
-      self.k_norm = RMSNorm(self.head_dim, config.norm_eps, config.weight_dtype)
+      self.q_norm = make_norm(self.head_dim, config)
+      self.k_norm = make_norm(self.head_dim, config)
     else:
       self.q_norm = self.k_norm = None
 
@@ -128,8 +134,9 @@ class Attention(nnx.Module):
     v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    q = apply_rope(q, positions, self.rot_dim, self.rope_theta)
-    k = apply_rope(k, positions, self.rot_dim, self.rope_theta)
+    if self.use_rope:
+      q = apply_rope(q, positions, self.rot_dim, self.rope_theta)
+      k = apply_rope(k, positions, self.rot_dim, self.rope_theta)
     return q, k, v, gate
 
   def _output(self, o: jax.Array, gate: jax.Array | None) -> jax.Array:
@@ -199,17 +206,18 @@ class MLAttention(nnx.Module):
     self.cfg = m
     h, dn, dr, dv, r = (m.n_heads, m.qk_nope_head_dim, m.qk_rope_head_dim,
                         m.v_head_dim, m.kv_lora_rank)
+    latent_eps = config.norm_eps if m.latent_norm_eps is None else m.latent_norm_eps
     if m.q_lora_rank:
-      self.q_a = dense(config.d_model, m.q_lora_rank, config, rngs)
-      self.q_a_norm = RMSNorm(m.q_lora_rank, config.norm_eps, config.weight_dtype)
+      self.q_a = dense(config.d_model, m.q_lora_rank, config, rngs, use_bias=m.bias)
+      self.q_a_norm = make_norm(m.q_lora_rank, config, eps=latent_eps)
       self.q_b = dense(m.q_lora_rank, h * (dn + dr), config, rngs)
     else:
       self.q_a = self.q_a_norm = None
       self.q_b = dense(config.d_model, h * (dn + dr), config, rngs)
-    self.kv_a = dense(config.d_model, r + dr, config, rngs)
-    self.kv_a_norm = RMSNorm(r, config.norm_eps, config.weight_dtype)
+    self.kv_a = dense(config.d_model, r + dr, config, rngs, use_bias=m.bias)
+    self.kv_a_norm = make_norm(r, config, eps=latent_eps)
     self.kv_b = dense(r, h * (dn + dv), config, rngs)
-    self.o_proj = dense(h * dv, config.d_model, config, rngs)
+    self.o_proj = dense(h * dv, config.d_model, config, rngs, use_bias=m.bias)
     self.sm_scale = (dn + dr) ** -0.5
 
   def _queries(self, x: jax.Array, positions: jax.Array):
@@ -218,21 +226,23 @@ class MLAttention(nnx.Module):
     q_in = self.q_a_norm(self.q_a(x)) if self.q_a is not None else x
     q = self.q_b(q_in).reshape(b, t, m.n_heads, m.qk_nope_head_dim + m.qk_rope_head_dim)
     q_nope, q_rope = q[..., :m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
-    q_rope = apply_rope(q_rope, positions, m.qk_rope_head_dim, m.rope_theta)
+    if m.use_rope:
+      q_rope = apply_rope(q_rope, positions, m.qk_rope_head_dim, m.rope_theta)
     return q_nope, q_rope
 
   def _latent(self, x: jax.Array, positions: jax.Array):
-    """x [b,t,d] -> normalised latent [b,t,r] and rotated shared key [b,t,dr]."""
+    """x [b,t,d] -> normalised latent [b,t,r] and shared key [b,t,dr] (rotated unless NoPE)."""
     m = self.cfg
     kv = self.kv_a(x)
     latent, k_rope = kv[..., :m.kv_lora_rank], kv[..., m.kv_lora_rank:]
-    k_rope = apply_rope(k_rope, positions, m.qk_rope_head_dim, m.rope_theta)
+    if m.use_rope:
+      k_rope = apply_rope(k_rope, positions, m.qk_rope_head_dim, m.rope_theta)
     return self.kv_a_norm(latent), k_rope
 
   def _kv_b_heads(self, dtype):
     """kv_b kernel split per head: W_uk [r, h, dn], W_uv [r, h, dv]."""
     m = self.cfg
-    w = self.kv_b.kernel.value.astype(dtype).reshape(
+    w = self.kv_b.kernel[...].astype(dtype).reshape(
         m.kv_lora_rank, m.n_heads, m.qk_nope_head_dim + m.v_head_dim)
     return w[..., :m.qk_nope_head_dim], w[..., m.qk_nope_head_dim:]
 

@@ -10,6 +10,13 @@ one character of the layer pattern, followed by a feed-forward network:
   ``m``  Mamba2 (SSD) mixer
 
 The pattern may be given in full or as a repeating unit such as ``"GGGA"``.
+An optional ``ffn_pattern`` picks each block's feed-forward network the same
+way: ``d`` dense MLP, ``e`` mixture of experts, ``-`` none (a mixer-only block,
+as in Nemotron-H where a Mamba2 or attention block may stand alone).
+
+Options added for checkpoint parity (norm conventions, biases, NoPE attention,
+router details...) default to the original behaviour; ``fingerprint()`` leaves
+them out while they hold their defaults, so existing fingerprints are unchanged.
 """
 
 from __future__ import annotations
@@ -17,13 +24,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Literal
+from typing import ClassVar, Literal
 
 import jax.numpy as jnp
 
 LAYER_KINDS = ("A", "M", "S", "G", "m")
 ATTENTION_KINDS = ("A", "S")
 RECURRENT_KINDS = ("G", "m")
+FFN_KINDS = ("d", "e", "-")  # dense MLP, mixture of experts, none
+FFN_ACTIVATIONS = ("swiglu", "relu2")
 
 
 def _fail(field: str, message: str) -> None:
@@ -43,7 +52,12 @@ class AttentionConfig:
     output_gate: Qwen3-Next style sigmoid gate on the attention output.
     qk_norm: RMS-normalise queries and keys per head before RoPE.
     window: sliding window (positions) used by ``S`` layers.
+    use_rope: rotate queries and keys; False gives position-free (NoPE)
+      attention, as in Nemotron-H, where the Mamba2 layers carry position.
+    bias: biases on the q/k/v/o projections.
   """
+
+  _ADDED_FIELDS: ClassVar[tuple[str, ...]] = ("use_rope", "bias")
 
   n_heads: int
   n_kv_heads: int
@@ -53,6 +67,8 @@ class AttentionConfig:
   output_gate: bool = False
   qk_norm: bool = False
   window: int = 0
+  use_rope: bool = True
+  bias: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +77,15 @@ class MLAConfig:
 
   The cache holds only ``kv_lora_rank`` latent channels plus the decoupled
   ``qk_rope_head_dim`` RoPE key per token, shared by all heads.
+
+  ``use_rope=False`` leaves that shared key (and the matching query channels)
+  unrotated: Kimi Linear's MLA is NoPE, the KDA layers carry position.
+  ``bias`` adds biases to the q_a, kv_a and output projections (DeepSeek's
+  ``attention_bias``). ``latent_norm_eps`` is the epsilon of the q/kv latent
+  RMSNorms when it differs from the model's (``None``: ``norm_eps``).
   """
+
+  _ADDED_FIELDS: ClassVar[tuple[str, ...]] = ("use_rope", "bias", "latent_norm_eps")
 
   n_heads: int
   kv_lora_rank: int
@@ -70,6 +94,9 @@ class MLAConfig:
   v_head_dim: int
   q_lora_rank: int = 0  # 0: queries come from a plain projection.
   rope_theta: float = 10_000.0
+  use_rope: bool = True
+  bias: bool = False
+  latent_norm_eps: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +107,12 @@ class GatedDeltaConfig:
   ``gate="kda"`` is Kimi Delta Attention (one log-decay per key channel).
   ``n_v_heads`` may exceed ``n_k_heads``; queries and keys are then shared
   by groups of value heads.
+
+  ``output_gate_rank > 0`` computes the output gate through a rank-r
+  bottleneck (KDA's ``g_a``/``g_b``) instead of one full projection.
   """
+
+  _ADDED_FIELDS: ClassVar[tuple[str, ...]] = ("output_gate_rank",)
 
   n_k_heads: int
   n_v_heads: int
@@ -89,11 +121,19 @@ class GatedDeltaConfig:
   gate: Literal["gdn", "kda"] = "gdn"
   conv_kernel: int = 4
   chunk_size: int = 64
+  output_gate_rank: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Mamba2Config:
-  """Mamba2 SSD mixer (``m`` layers)."""
+  """Mamba2 SSD mixer (``m`` layers).
+
+  ``conv_bias`` / ``proj_bias``: biases on the short convolution and on the
+  in/out projections. ``dt_min`` / ``dt_max`` clamp the softplus-ed time step
+  (Mamba2's ``dt_limit``; ``dt_max=None``: no upper limit).
+  """
+
+  _ADDED_FIELDS: ClassVar[tuple[str, ...]] = ("conv_bias", "proj_bias", "dt_min", "dt_max")
 
   n_heads: int
   head_dim: int
@@ -101,11 +141,31 @@ class Mamba2Config:
   n_groups: int = 1
   conv_kernel: int = 4
   chunk_size: int = 64
+  conv_bias: bool = False
+  proj_bias: bool = False
+  dt_min: float = 0.0
+  dt_max: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-  """Top-k mixture of experts replacing the dense MLP."""
+  """Top-k mixture of experts replacing the dense MLP.
+
+  Routing: ``router`` turns logits into scores (softmax or sigmoid). With
+  ``score_correction_bias`` a learned per-expert bias is added to the scores
+  for choosing experts only (DeepSeek-V3's balancing bias); the weights stay
+  the unbiased scores. ``n_groups > 1`` first keeps the ``top_k_groups``
+  groups of experts whose two best scores sum highest. The chosen weights are
+  optionally normalised, then multiplied by ``routed_scale``.
+
+  Shared experts: ``d_shared`` is their hidden width (0: ``d_expert *
+  n_shared_experts``); ``shared_gate`` scales their output by a per-token
+  sigmoid gate (Qwen3-Next).
+  """
+
+  _ADDED_FIELDS: ClassVar[tuple[str, ...]] = (
+      "score_correction_bias", "n_groups", "top_k_groups", "routed_scale", "d_shared",
+      "shared_gate")
 
   n_experts: int
   top_k: int
@@ -113,6 +173,19 @@ class MoEConfig:
   n_shared_experts: int = 0
   router: Literal["softmax", "sigmoid"] = "softmax"
   normalize_top_k: bool = True
+  score_correction_bias: bool = False
+  n_groups: int = 1
+  top_k_groups: int = 1
+  routed_scale: float = 1.0
+  d_shared: int = 0
+  shared_gate: bool = False
+
+  @property
+  def shared_width(self) -> int:
+    """Hidden width of the shared experts (0: none)."""
+    if not self.n_shared_experts:
+      return 0
+    return self.d_shared or self.d_expert * self.n_shared_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +198,19 @@ class ModelConfig:
     d_model: residual width.
     n_layers: number of blocks.
     layer_pattern: per-layer mixer kinds, full length or a repeating unit.
-    d_ff: SwiGLU hidden width of the dense MLP.
+    d_ff: hidden width of the dense MLP.
     attention / mla / gated_delta / mamba2: per-kind settings; required
       exactly when the pattern uses that kind.
-    moe: if set, every block uses a mixture of experts instead of the MLP.
+    moe: if set, every block uses a mixture of experts instead of the MLP
+      (unless ``ffn_pattern`` says otherwise).
+    ffn_pattern: per-layer feed-forward kinds (``FFN_KINDS``), full length or
+      a repeating unit; ``None``: ``e`` everywhere with ``moe``, else ``d``.
+    ffn_activation: ``swiglu`` (``down(silu(gate(x)) * up(x))``) or ``relu2``
+      (``down(relu(up(x))**2)``, Nemotron-H); used by the dense MLP, the
+      experts and the shared experts.
+    norm_plus_one: RMSNorm scales are stored as offsets from one, the
+      effective scale being ``1 + w`` (Qwen3-Next); the gated output norms of
+      the recurrent mixers keep plain scales, as in those models.
     norm_eps: RMSNorm epsilon.
     tie_embeddings: share the input embedding with the output head.
     dtype: activation and KV-cache dtype; recurrent states are always f32.
@@ -152,6 +234,12 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   max_seq_len: int = 4096
+  ffn_pattern: str | tuple[str, ...] | None = None
+  ffn_activation: Literal["swiglu", "relu2"] = "swiglu"
+  norm_plus_one: bool = False
+
+  _ADDED_FIELDS: ClassVar[tuple[str, ...]] = ("ffn_pattern", "ffn_activation",
+                                              "norm_plus_one")
 
   def __post_init__(self):
     self._validate()
@@ -164,6 +252,14 @@ class ModelConfig:
     unit = tuple(self.layer_pattern)
     if len(unit) == self.n_layers:
       return unit
+    return tuple(unit[i % len(unit)] for i in range(self.n_layers))
+
+  @property
+  def ffn_kinds(self) -> tuple[str, ...]:
+    """The feed-forward kind of every layer (``FFN_KINDS``), ``len == n_layers``."""
+    if self.ffn_pattern is None:
+      return ("e" if self.moe is not None else "d",) * self.n_layers
+    unit = tuple(self.ffn_pattern)
     return tuple(unit[i % len(unit)] for i in range(self.n_layers))
 
   @property
@@ -191,8 +287,9 @@ class ModelConfig:
     for key, typ in sub.items():
       if d.get(key) is not None:
         d[key] = typ(**d[key])
-    if isinstance(d.get("layer_pattern"), list):
-      d["layer_pattern"] = tuple(d["layer_pattern"])
+    for key in ("layer_pattern", "ffn_pattern"):
+      if isinstance(d.get(key), list):
+        d[key] = tuple(d[key])
     return cls(**d)
 
   def fingerprint(self) -> str:
@@ -201,9 +298,11 @@ class ModelConfig:
     Two processes may exchange decode states only if their fingerprints match;
     the name is excluded so that renaming a config does not break transfers.
     """
-    d = self.to_dict()
+    d = _without_default_additions(self)
     d.pop("name")
     d["layer_pattern"] = "".join(self.layer_kinds)
+    if self.ffn_pattern is not None:
+      d["ffn_pattern"] = "".join(self.ffn_kinds)
     blob = json.dumps(d, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -229,6 +328,21 @@ class ModelConfig:
       _fail("ModelConfig.layer_pattern",
             f"repeating unit of length {len(self.layer_pattern)} does not tile "
             f"n_layers={self.n_layers}")
+    if self.ffn_pattern is not None:
+      if not self.ffn_pattern:
+        _fail("ModelConfig.ffn_pattern", "must not be empty (use None for the default)")
+      for kind in self.ffn_pattern:
+        if kind not in FFN_KINDS:
+          _fail("ModelConfig.ffn_pattern",
+                f"unknown feed-forward kind {kind!r}; expected one of {FFN_KINDS}")
+      if len(self.ffn_pattern) > self.n_layers or self.n_layers % len(self.ffn_pattern):
+        _fail("ModelConfig.ffn_pattern",
+              f"{len(self.ffn_pattern)} entries neither match nor tile n_layers={self.n_layers}")
+      if "e" in self.ffn_pattern and self.moe is None:
+        _fail("ModelConfig.moe", "required by feed-forward kind 'e' in ffn_pattern")
+    if self.ffn_activation not in FFN_ACTIVATIONS:
+      _fail("ModelConfig.ffn_activation",
+            f"must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}")
     for dt_field in ("dtype", "param_dtype"):
       try:
         jnp.dtype(getattr(self, dt_field))
@@ -256,7 +370,7 @@ class ModelConfig:
               "(set head_dim explicitly)")
       head_dim = a.head_dim or self.d_model // a.n_heads
       rot = int(head_dim * a.rope_fraction)
-      if not 0.0 < a.rope_fraction <= 1.0 or rot % 2:
+      if a.use_rope and (not 0.0 < a.rope_fraction <= 1.0 or rot % 2):
         _fail("AttentionConfig.rope_fraction",
               f"{a.rope_fraction} must give an even rotary width in (0, head_dim]")
       if "S" in kinds and a.window <= 0:
@@ -269,6 +383,8 @@ class ModelConfig:
           _fail(f"MLAConfig.{f}", f"must be > 0, got {getattr(m, f)}")
       if m.qk_rope_head_dim % 2:
         _fail("MLAConfig.qk_rope_head_dim", "must be even")
+      if m.latent_norm_eps is not None and m.latent_norm_eps <= 0:
+        _fail("MLAConfig.latent_norm_eps", f"must be > 0, got {m.latent_norm_eps}")
     if self.gated_delta is not None:
       g = self.gated_delta
       if g.gate not in ("gdn", "kda"):
@@ -280,6 +396,8 @@ class ModelConfig:
         _fail("GatedDeltaConfig.conv_kernel", "must be >= 1")
       if g.chunk_size <= 0:
         _fail("GatedDeltaConfig.chunk_size", "must be > 0")
+      if g.output_gate_rank < 0:
+        _fail("GatedDeltaConfig.output_gate_rank", f"must be >= 0, got {g.output_gate_rank}")
     if self.mamba2 is not None:
       s = self.mamba2
       if s.n_groups <= 0 or s.n_heads % s.n_groups:
@@ -289,7 +407,34 @@ class ModelConfig:
         _fail("Mamba2Config.conv_kernel", "must be >= 1")
       if s.chunk_size <= 0:
         _fail("Mamba2Config.chunk_size", "must be > 0")
+      if s.dt_min < 0 or (s.dt_max is not None and s.dt_max < s.dt_min):
+        _fail("Mamba2Config.dt_min", f"need 0 <= dt_min <= dt_max, got {s.dt_min}, {s.dt_max}")
     if self.moe is not None:
       e = self.moe
       if not 0 < e.top_k <= e.n_experts:
         _fail("MoEConfig.top_k", f"must be in [1, n_experts={e.n_experts}], got {e.top_k}")
+      if e.n_groups <= 0 or e.n_experts % e.n_groups:
+        _fail("MoEConfig.n_groups",
+              f"n_groups={e.n_groups} must divide n_experts={e.n_experts}")
+      if not 0 < e.top_k_groups <= e.n_groups:
+        _fail("MoEConfig.top_k_groups",
+              f"must be in [1, n_groups={e.n_groups}], got {e.top_k_groups}")
+      if e.top_k > e.top_k_groups * (e.n_experts // e.n_groups):
+        _fail("MoEConfig.top_k", f"top_k={e.top_k} exceeds the experts of the "
+              f"{e.top_k_groups} kept group(s)")
+      if e.d_shared < 0:
+        _fail("MoEConfig.d_shared", f"must be >= 0, got {e.d_shared}")
+
+
+def _without_default_additions(config) -> dict:
+  """``dataclasses.asdict`` minus fields added after the first release that
+  still hold their defaults (recursively), so that adding an option does not
+  change the fingerprint of configs that do not use it."""
+  out = {}
+  for f in dataclasses.fields(config):
+    value = getattr(config, f.name)
+    if f.name in getattr(config, "_ADDED_FIELDS", ()) and value == f.default:
+      continue
+    out[f.name] = (_without_default_additions(value) if dataclasses.is_dataclass(value)
+                   else value)
+  return out

@@ -8,7 +8,7 @@ from flax import nnx
 
 from paas_jax.models.attention import Attention, Chunk, MLAttention
 from paas_jax.models.config import ModelConfig
-from paas_jax.models.layers import MLP, MoE, RMSNorm
+from paas_jax.models.layers import MLP, MoE, make_norm
 from paas_jax.models.recurrent import GatedDeltaNet, Mamba2
 from paas_jax.state import DecodeState
 
@@ -27,26 +27,42 @@ def make_mixer(kind: str, config: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
   raise ValueError(f"ModelConfig.layer_pattern: unknown layer kind {kind!r}")
 
 
-class Block(nnx.Module):
-  """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + ffn(norm(x))``."""
+def make_ffn(ffn_kind: str, config: ModelConfig, rngs: nnx.Rngs) -> nnx.Module | None:
+  if ffn_kind == "e":
+    return MoE(config, rngs)
+  if ffn_kind == "d":
+    return MLP(config.d_model, config.d_ff, config, rngs)
+  if ffn_kind == "-":
+    return None
+  raise ValueError(f"ModelConfig.ffn_pattern: unknown feed-forward kind {ffn_kind!r}")
 
-  def __init__(self, kind: str, config: ModelConfig, rngs: nnx.Rngs):
+
+class Block(nnx.Module):
+  """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + ffn(norm(x))``.
+
+  ``ffn_kind`` (default: the config's first layer's) picks the feed-forward
+  network; ``"-"`` makes a mixer-only block.
+  """
+
+  def __init__(self, kind: str, config: ModelConfig, rngs: nnx.Rngs,
+               ffn_kind: str | None = None):
     self.kind = kind
-    self.mixer_norm = RMSNorm(config.d_model, config.norm_eps, config.weight_dtype)
+    self.mixer_norm = make_norm(config.d_model, config)
     self.mixer = make_mixer(kind, config, rngs)
-    self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, config.weight_dtype)
-    self.ffn = MoE(config, rngs) if config.moe else MLP(config.d_model, config.d_ff,
-                                                        config, rngs)
+    ffn_kind = ffn_kind or config.ffn_kinds[0]
+    self.ffn_norm = make_norm(config.d_model, config) if ffn_kind != "-" else None
+    self.ffn = make_ffn(ffn_kind, config, rngs)
+
+  def _feed_forward(self, x):
+    return x if self.ffn is None else x + self.ffn(self.ffn_norm(x))
 
   def prefill(self, x, cache, chunk: Chunk):
     h, cache = self.mixer.prefill(self.mixer_norm(x), cache, chunk)
-    x = x + h
-    return x + self.ffn(self.ffn_norm(x)), cache
+    return self._feed_forward(x + h), cache
 
   def step(self, x, cache, lengths):
     h, cache = self.mixer.step(self.mixer_norm(x), cache, lengths)
-    x = x + h
-    return x + self.ffn(self.ffn_norm(x)), cache
+    return self._feed_forward(x + h), cache
 
 
 class HybridLM(nnx.Module):
@@ -58,8 +74,9 @@ class HybridLM(nnx.Module):
                            param_dtype=config.weight_dtype,
                            embedding_init=nnx.initializers.normal(stddev=1.0),
                            rngs=rngs)
-    self.blocks = nnx.List([Block(kind, config, rngs) for kind in config.layer_kinds])
-    self.final_norm = RMSNorm(config.d_model, config.norm_eps, config.weight_dtype)
+    self.blocks = nnx.List([Block(kind, config, rngs, ffn_kind) for kind, ffn_kind
+                            in zip(config.layer_kinds, config.ffn_kinds)])
+    self.final_norm = make_norm(config.d_model, config)
     if config.tie_embeddings:
       self.lm_head = None
     else:

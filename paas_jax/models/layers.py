@@ -25,14 +25,30 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-  """RMSNorm over the last axis with a learned scale initialised to one."""
+  """RMSNorm over the last axis with a learned scale initialised to one.
 
-  def __init__(self, dim: int, eps: float, param_dtype=jnp.float32):
+  With ``plus_one`` the parameter stores ``scale - 1`` (initialised to zero)
+  and the scaling runs in f32 before the cast back, which is how Qwen3-Next's
+  checkpoints define their norms; converting those weights to plain scales
+  would round ``1 + w`` to the parameter dtype.
+  """
+
+  def __init__(self, dim: int, eps: float, param_dtype=jnp.float32, plus_one: bool = False):
     self.eps = eps
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.plus_one = plus_one
+    self.scale = nnx.Param((jnp.zeros if plus_one else jnp.ones)((dim,), param_dtype))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return rms_normalize(x, self.eps) * self.scale.value.astype(x.dtype)
+    if self.plus_one:
+      y = rms_normalize(x.astype(jnp.float32), self.eps)
+      return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+    return rms_normalize(x, self.eps) * self.scale[...].astype(x.dtype)
+
+
+def make_norm(dim: int, config: ModelConfig, eps: float | None = None) -> RMSNorm:
+  """An ``RMSNorm`` following the model's norm convention (``norm_plus_one``)."""
+  return RMSNorm(dim, config.norm_eps if eps is None else eps, config.weight_dtype,
+                 plus_one=config.norm_plus_one)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -50,7 +66,7 @@ class GatedRMSNorm(nnx.Module):
 
   def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
     gate = jax.nn.silu(z) if self.activation == "silu" else jax.nn.sigmoid(z)
-    return rms_normalize(y, self.eps) * self.scale.value.astype(y.dtype) * gate
+    return rms_normalize(y, self.eps) * self.scale[...].astype(y.dtype) * gate
 
 
 def rope_frequencies(rot_dim: int, theta: float) -> jax.Array:
@@ -78,21 +94,34 @@ def apply_rope(x: jax.Array, positions: jax.Array, rot_dim: int, theta: float) -
   return out[:, :, 0, :] if squeeze else out
 
 
+def _hidden_activation(up: jax.Array, gate: jax.Array | None) -> jax.Array:
+  """SwiGLU ``silu(gate) * up`` or, without a gate, squared ReLU ``relu(up)**2``."""
+  if gate is None:
+    return jnp.square(jax.nn.relu(up))
+  return jax.nn.silu(gate) * up
+
+
 class MLP(nnx.Module):
-  """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+  """Dense feed-forward, ``down(act(x))`` with ``config.ffn_activation``:
+  SwiGLU ``silu(gate(x)) * up(x)`` or squared ReLU ``relu(up(x))**2`` (no gate)."""
 
   def __init__(self, d_model: int, d_ff: int, config: ModelConfig, rngs: nnx.Rngs):
-    self.gate = dense(d_model, d_ff, config, rngs)
+    swiglu = config.ffn_activation == "swiglu"
+    self.gate = dense(d_model, d_ff, config, rngs) if swiglu else None
     self.up = dense(d_model, d_ff, config, rngs)
     self.down = dense(d_ff, d_model, config, rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    gate = self.gate(x) if self.gate is not None else None
+    return self.down(_hidden_activation(self.up(x), gate))
 
 
 class MoE(nnx.Module):
-  """Top-k mixture of SwiGLU experts with optional always-on shared experts.
+  """Top-k mixture of experts with optional always-on shared experts.
 
+  Experts use ``config.ffn_activation`` (SwiGLU, or squared ReLU without a
+  gate projection). Routing follows ``MoEConfig`` (softmax or sigmoid scores,
+  optional balancing bias and group-limited choice, normalisation, scale).
   Every expert is evaluated densely and combined with the (sparse) routing
   weights: exact, simple and fine for the small models run on CPU; the
   expert axis is the natural one to shard on accelerators.
@@ -104,46 +133,77 @@ class MoE(nnx.Module):
     d, e, f = config.d_model, moe.n_experts, moe.d_expert
     init = nnx.initializers.normal(stddev=d ** -0.5)
     self.router = dense(d, e, config, rngs)
-    self.w_gate = nnx.Param(init(rngs.params(), (e, d, f), config.weight_dtype))
+    self.w_gate = (nnx.Param(init(rngs.params(), (e, d, f), config.weight_dtype))
+                   if config.ffn_activation == "swiglu" else None)
     self.w_up = nnx.Param(init(rngs.params(), (e, d, f), config.weight_dtype))
     self.w_down = nnx.Param(nnx.initializers.normal(stddev=f ** -0.5)(
         rngs.params(), (e, f, d), config.weight_dtype))
-    self.shared = (MLP(d, f * moe.n_shared_experts, config, rngs)
-                   if moe.n_shared_experts else None)
+    self.shared = MLP(d, moe.shared_width, config, rngs) if moe.shared_width else None
+    # Optional parts are drawn after the original ones, so configs that do not
+    # use them keep their random initialisation.
+    self.shared_gate = (dense(d, 1, config, rngs)
+                        if moe.shared_gate and self.shared is not None else None)
+    self.score_bias = (nnx.Param(jnp.zeros((e,), jnp.float32))
+                       if moe.score_correction_bias else None)
+
+  def _keep_top_groups(self, choice: jax.Array) -> jax.Array:
+    """Masks (-inf) the experts outside each token's ``top_k_groups`` groups,
+    ranking groups by the sum of their two best scores (DeepSeek-V3)."""
+    moe = self.moe
+    per_group = moe.n_experts // moe.n_groups
+    grouped = choice.reshape(choice.shape[:-1] + (moe.n_groups, per_group))
+    group_score = jnp.sum(jax.lax.top_k(grouped, min(2, per_group))[0], axis=-1)
+    _, top_groups = jax.lax.top_k(group_score, moe.top_k_groups)
+    keep = jnp.any(top_groups[..., :, None] == jnp.arange(moe.n_groups), axis=-2)
+    return jnp.where(jnp.repeat(keep, per_group, axis=-1), choice, -jnp.inf)
 
   def routing_weights(self, x: jax.Array) -> jax.Array:
     """Dense routing weights [..., n_experts], zero outside each token's top-k."""
+    moe = self.moe
     logits = self.router(x).astype(jnp.float32)
-    scores = (jax.nn.softmax(logits, axis=-1) if self.moe.router == "softmax"
+    scores = (jax.nn.softmax(logits, axis=-1) if moe.router == "softmax"
               else jax.nn.sigmoid(logits))
-    top_vals, top_idx = jax.lax.top_k(scores, self.moe.top_k)
-    if self.moe.normalize_top_k:
+    choice = scores if self.score_bias is None else scores + self.score_bias[...]
+    if moe.n_groups > 1:
+      choice = self._keep_top_groups(choice)
+    _, top_idx = jax.lax.top_k(choice, moe.top_k)
+    top_vals = jnp.take_along_axis(scores, top_idx, axis=-1)
+    if moe.normalize_top_k:
       top_vals = top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
-    onehot = jax.nn.one_hot(top_idx, self.moe.n_experts, dtype=jnp.float32)
+    if moe.routed_scale != 1.0:
+      top_vals = top_vals * moe.routed_scale
+    onehot = jax.nn.one_hot(top_idx, moe.n_experts, dtype=jnp.float32)
     return jnp.einsum("...k,...ke->...e", top_vals, onehot)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     weights = self.routing_weights(x).astype(x.dtype)
     dt = x.dtype
-    h = jax.nn.silu(jnp.einsum("...d,edf->...ef", x, self.w_gate.value.astype(dt)))
-    h = h * jnp.einsum("...d,edf->...ef", x, self.w_up.value.astype(dt))
-    y = jnp.einsum("...ef,efd,...e->...d", h, self.w_down.value.astype(dt), weights)
+    gate = (jnp.einsum("...d,edf->...ef", x, self.w_gate[...].astype(dt))
+            if self.w_gate is not None else None)
+    h = _hidden_activation(jnp.einsum("...d,edf->...ef", x, self.w_up[...].astype(dt)), gate)
+    y = jnp.einsum("...ef,efd,...e->...d", h, self.w_down[...].astype(dt), weights)
     if self.shared is not None:
-      y = y + self.shared(x)
+      shared = self.shared(x)
+      if self.shared_gate is not None:
+        shared = shared * jax.nn.sigmoid(self.shared_gate(x))
+      y = y + shared
     return y
 
 
 class CausalConv1d(nnx.Module):
   """Depthwise causal convolution with a carried tail of the last inputs.
 
-  Weight: [kernel, channels]. Prefill prepends the cached tail ``conv_state``
-  [batch, kernel - 1, channels], so chunked prefill continues exactly.
+  Weight: [kernel, channels]; optional bias [channels] (Mamba2's conv bias).
+  Prefill prepends the cached tail ``conv_state`` [batch, kernel - 1, channels],
+  so chunked prefill continues exactly.
   """
 
-  def __init__(self, channels: int, kernel: int, config: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, channels: int, kernel: int, config: ModelConfig, rngs: nnx.Rngs,
+               use_bias: bool = False):
     self.kernel = kernel
     self.weight = nnx.Param(nnx.initializers.normal(stddev=kernel ** -0.5)(
         rngs.params(), (kernel, channels), config.weight_dtype))
+    self.bias = nnx.Param(jnp.zeros((channels,), config.weight_dtype)) if use_bias else None
 
   def __call__(self, x: jax.Array, conv_state: jax.Array, n_valid: jax.Array
                ) -> tuple[jax.Array, jax.Array]:
@@ -160,8 +220,10 @@ class CausalConv1d(nnx.Module):
     k = self.kernel
     seq = x.shape[1]
     full = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)
-    w = self.weight.value.astype(x.dtype)
+    w = self.weight[...].astype(x.dtype)
     y = sum(full[:, i:i + seq] * w[i] for i in range(k))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(x.dtype)
     if k == 1:
       return y, conv_state
     # Token j of the chunk sits at index j + k - 1 of `full`; the tail after
@@ -173,5 +235,7 @@ class CausalConv1d(nnx.Module):
   def step(self, x: jax.Array, conv_state: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One token: x [batch, channels] -> (y [batch, channels], new conv_state)."""
     full = jnp.concatenate([conv_state.astype(x.dtype), x[:, None]], axis=1)
-    y = jnp.einsum("bkc,kc->bc", full, self.weight.value.astype(x.dtype))
+    y = jnp.einsum("bkc,kc->bc", full, self.weight[...].astype(x.dtype))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(x.dtype)
     return y, full[:, 1:].astype(conv_state.dtype)

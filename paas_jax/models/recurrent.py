@@ -32,7 +32,9 @@ class GatedDeltaNet(nnx.Module):
   ``gate="gdn"``: Gated DeltaNet, log-decay ``g = -exp(A_log) * softplus(a + dt_bias)``
   per value head. ``gate="kda"``: Kimi Delta Attention, the same form per key
   channel, with ``a`` from a low-rank projection. Queries and keys are
-  L2-normalised per head and shared across groups of value heads.
+  L2-normalised per head and shared across groups of value heads. The output
+  is ``o_proj(norm(o) * act(z))`` with ``z`` from ``z_proj``, or from the
+  low-rank pair ``z_a``, ``z_b`` when ``output_gate_rank`` is set (KDA).
   """
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
@@ -58,7 +60,13 @@ class GatedDeltaNet(nnx.Module):
     # Decay rates spread over [1, 16] as in Mamba2/GDN initialisation.
     self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, g.n_v_heads, dtype=jnp.float32)))
     self.dt_bias = nnx.Param(jnp.full((gate_channels,), -2.0, jnp.float32))
-    self.z_proj = dense(d, self.value_width, config, rngs)
+    if g.output_gate_rank:
+      self.z_proj = None
+      self.z_a = dense(d, g.output_gate_rank, config, rngs)
+      self.z_b = dense(g.output_gate_rank, self.value_width, config, rngs)
+    else:
+      self.z_proj = dense(d, self.value_width, config, rngs)
+      self.z_a = self.z_b = None
     self.o_norm = GatedRMSNorm(g.head_v_dim, config.norm_eps,
                                "silu" if g.gate == "gdn" else "sigmoid",
                                config.weight_dtype)
@@ -68,12 +76,12 @@ class GatedDeltaNet(nnx.Module):
     """x [..., d] -> (log-decay g [..., hv] or [..., hv, dk], beta [..., hv]) in f32."""
     c = self.cfg
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
-    rate = jnp.exp(self.A_log.value)
+    rate = jnp.exp(self.A_log[...])
     if c.gate == "gdn":
       a = self.a_proj(x).astype(jnp.float32)
-      g = -rate * jax.nn.softplus(a + self.dt_bias.value)
+      g = -rate * jax.nn.softplus(a + self.dt_bias[...])
     else:
-      a = self.f_b(self.f_a(x)).astype(jnp.float32) + self.dt_bias.value
+      a = self.f_b(self.f_a(x)).astype(jnp.float32) + self.dt_bias[...]
       a = a.reshape(a.shape[:-1] + (c.n_v_heads, c.head_k_dim))
       g = -rate[:, None] * jax.nn.softplus(a)
     return g, beta
@@ -95,7 +103,8 @@ class GatedDeltaNet(nnx.Module):
 
   def _output(self, o: jax.Array, x: jax.Array) -> jax.Array:
     c = self.cfg
-    z = self.z_proj(x).reshape(x.shape[:-1] + (c.n_v_heads, c.head_v_dim))
+    z = self.z_proj(x) if self.z_proj is not None else self.z_b(self.z_a(x))
+    z = z.reshape(x.shape[:-1] + (c.n_v_heads, c.head_v_dim))
     y = self.o_norm(o.astype(x.dtype), z)
     return self.o_proj(y.reshape(x.shape[:-1] + (self.value_width,)))
 
@@ -123,7 +132,11 @@ class GatedDeltaNet(nnx.Module):
 
 class Mamba2(nnx.Module):
   """Mamba2 mixer: in-projection to (z, xBC, dt), causal conv on xBC, SSD scan,
-  D skip, gate-then-group-RMSNorm, out-projection."""
+  D skip, gate-then-group-RMSNorm, out-projection.
+
+  The time step is ``clip(softplus(dt + dt_bias), dt_min, dt_max)`` in prefill
+  and decode alike.
+  """
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     s = config.mamba2
@@ -132,13 +145,14 @@ class Mamba2(nnx.Module):
     self.inner = s.n_heads * s.head_dim
     self.bc_width = s.n_groups * s.d_state
     self.in_proj = dense(config.d_model, 2 * self.inner + 2 * self.bc_width + s.n_heads,
-                         config, rngs)
-    self.conv = CausalConv1d(self.inner + 2 * self.bc_width, s.conv_kernel, config, rngs)
+                         config, rngs, use_bias=s.proj_bias)
+    self.conv = CausalConv1d(self.inner + 2 * self.bc_width, s.conv_kernel, config, rngs,
+                             use_bias=s.conv_bias)
     self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, s.n_heads, dtype=jnp.float32)))
     self.dt_bias = nnx.Param(jnp.full((s.n_heads,), -2.0, jnp.float32))
     self.D = nnx.Param(jnp.ones((s.n_heads,), jnp.float32))
     self.norm_scale = nnx.Param(jnp.ones((self.inner,), config.weight_dtype))
-    self.out_proj = dense(self.inner, config.d_model, config, rngs)
+    self.out_proj = dense(self.inner, config.d_model, config, rngs, use_bias=s.proj_bias)
 
   def _split(self, x: jax.Array):
     zxbcdt = self.in_proj(x)
@@ -153,24 +167,26 @@ class Mamba2(nnx.Module):
     xs = xbc[..., :self.inner].reshape(lead + (s.n_heads, s.head_dim))
     B = xbc[..., self.inner:self.inner + self.bc_width].reshape(lead + (s.n_groups, s.d_state))
     C = xbc[..., self.inner + self.bc_width:].reshape(lead + (s.n_groups, s.d_state))
-    dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias.value)
+    dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...])
+    if s.dt_min > 0.0 or s.dt_max is not None:
+      dt = jnp.clip(dt, s.dt_min, s.dt_max)
     return xs, B, C, dt
 
   def _output(self, y: jax.Array, xs: jax.Array, z: jax.Array) -> jax.Array:
     s = self.cfg
-    y = y.astype(jnp.float32) + self.D.value[:, None] * xs.astype(jnp.float32)
+    y = y.astype(jnp.float32) + self.D[...][:, None] * xs.astype(jnp.float32)
     y = y.reshape(y.shape[:-2] + (self.inner,)) * jax.nn.silu(z.astype(jnp.float32))
     # Normalise within each group, as Mamba2's grouped gated RMSNorm does.
     grouped = y.reshape(y.shape[:-1] + (s.n_groups, self.inner // s.n_groups))
     y = rms_normalize(grouped, self.eps).reshape(y.shape).astype(z.dtype)
-    return self.out_proj(y * self.norm_scale.value.astype(z.dtype))
+    return self.out_proj(y * self.norm_scale[...].astype(z.dtype))
 
   def prefill(self, x: jax.Array, cache: Mamba2Cache, chunk: Chunk):
     z, xbc, dt = self._split(x)
     xbc, conv_state = self.conv(xbc, cache.conv, chunk.n_valid)
     xs, B, C, dt = self._ssm_inputs(jax.nn.silu(xbc), dt)
     dt = dt * chunk.valid.astype(jnp.float32)[..., None]
-    A = -jnp.exp(self.A_log.value)
+    A = -jnp.exp(self.A_log[...])
     y, state = ssd(xs, dt, A, B, C, initial_state=cache.ssm, chunk_size=self.cfg.chunk_size)
     return self._output(y, xs, z), Mamba2Cache(conv=conv_state, ssm=state)
 
@@ -179,5 +195,5 @@ class Mamba2(nnx.Module):
     z, xbc, dt = self._split(x)
     xbc, conv_state = self.conv.step(xbc, cache.conv)
     xs, B, C, dt = self._ssm_inputs(jax.nn.silu(xbc), dt)
-    y, state = ssd_step(xs, dt, -jnp.exp(self.A_log.value), B, C, cache.ssm)
+    y, state = ssd_step(xs, dt, -jnp.exp(self.A_log[...]), B, C, cache.ssm)
     return self._output(y, xs, z), Mamba2Cache(conv=conv_state, ssm=state)

@@ -1,0 +1,18 @@
+"""PrfaaS scheduling: throughput model (paper Eqs. 1-8), routing policy, re-balancing."""
+
+from paas_jax.scheduling.distributions import EmpiricalLengths, LengthDistribution, TruncatedLogNormal
+from paas_jax.scheduling.profiles import GBPS, MIB, DecodeProfile, PrefillProfile, fit_time_map
+from paas_jax.scheduling.rebalancer import RebalanceProposal, Rebalancer
+from paas_jax.scheduling.router import (ClusterView, PrfaasRouter, RequestInfo, RouterConfig,
+                                        RoutingDecision)
+from paas_jax.scheduling.throughput import (DeploymentPlan, SystemModel, ThroughputBreakdown,
+                                            default_thresholds, evaluate, select_offload_threshold,
+                                            solve_deployment, theta_pdd, ttft_no_queue)
+
+__all__ = [
+    "ClusterView", "DecodeProfile", "DeploymentPlan", "EmpiricalLengths", "GBPS", "LengthDistribution",
+    "MIB", "PrefillProfile", "PrfaasRouter", "RebalanceProposal", "Rebalancer", "RequestInfo",
+    "RouterConfig", "RoutingDecision", "SystemModel", "ThroughputBreakdown", "TruncatedLogNormal",
+    "default_thresholds", "evaluate", "fit_time_map", "select_offload_threshold", "solve_deployment",
+    "theta_pdd", "ttft_no_queue",
+]

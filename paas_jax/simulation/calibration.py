@@ -1,0 +1,179 @@
+"""``ServiceProfile``: the service-time inputs of the simulator, and the calibration hook.
+
+A ServiceProfile holds what the simulator needs to know about the hardware: prefill
+profiles of both clusters, the decode instance, the intra-PD RDMA bandwidth and the
+inter-region link trace. It is built either from profiles (the paper's case study) or
+from the measurements the live two-region demo writes, via ``from_demo_records``.
+
+Demo JSON schema (one object; unknown keys are ignored)::
+
+  {
+    "link_bandwidth_bps": 1.0e11,                  # optional; else the reference trace
+    "decode_max_batch_size": 20,                   # optional; else the reference decode
+    "requests": [
+      {"route": "pdp" | "prfaas",
+       "input_tokens": 31000, "cached_tokens": 0, "output_tokens": 1024,
+       "ttft_s": 2.3, "tpot_s": 0.021,
+       "prefill_s": 1.9,                           # optional: pure prefill compute time
+       "link_bytes": 812345678}                    # bytes this request put on the link
+    ]
+  }
+
+Fitting, per route, uses cold requests only (``cached_tokens == 0``, whose latency is a
+clean T_prefill sample): lengths are split into up to ``max_points`` equal-count bins and
+each bin contributes (median length, median prefill_s) as a profile point, so stragglers
+do not bend the curve. ``prefill_s`` falls back to ``ttft_s`` (an upper bound that also
+holds queueing and transfer) and the profile records that it did. S_kv comes from
+(input_tokens, link_bytes) of cold PrfaaS requests (the link carries exactly S_kv there)
+and is shared by both routes, because it is a property of the model. The decode step time
+is the median TPOT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from paas_jax.scheduling.profiles import DecodeProfile, PrefillProfile
+from paas_jax.simulation.link import BandwidthTrace
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceProfile:
+  """Service-time inputs of the simulator.
+
+  Attributes:
+    prfaas_prefill: PrfaaS prefill instance profile.
+    pdp_prefill: PD-P prefill instance profile.
+    decode: PD-D instance profile.
+    link: PrfaaS<->PD link capacity over time (each direction gets this capacity).
+    rdma_bps: intra-PD PD-P -> PD-D bandwidth per transfer (bits/s), uncontended.
+    calibrated: which fields were fitted from measurements (empty for pure profiles).
+  """
+
+  prfaas_prefill: PrefillProfile
+  pdp_prefill: PrefillProfile
+  decode: DecodeProfile
+  link: BandwidthTrace
+  rdma_bps: float = 800e9
+  calibrated: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    if not (self.rdma_bps > 0 and math.isfinite(self.rdma_bps)):
+      raise ValueError(f"rdma_bps must be finite and > 0, got {self.rdma_bps}")
+
+  @classmethod
+  def from_demo_json(cls, path: str | os.PathLike, reference: "ServiceProfile", **kwargs) -> "ServiceProfile":
+    with open(path) as f:
+      return cls.from_demo_records(json.load(f), reference, **kwargs)
+
+  @classmethod
+  def from_demo_records(cls, data: Mapping[str, Any], reference: "ServiceProfile",
+                        max_points: int = 6, min_requests_per_point: int = 3) -> "ServiceProfile":
+    """Fits a ServiceProfile to demo measurements; unmeasured parts come from ``reference``."""
+    reqs = data.get("requests")
+    if not isinstance(reqs, list) or not reqs:
+      raise ValueError("demo data needs a non-empty 'requests' list")
+    rows = [_validate_record(i, r) for i, r in enumerate(reqs)]
+    calibrated: list[str] = []
+
+    prfaas_cold = [r for r in rows if r["route"] == "prfaas" and r["cached_tokens"] == 0]
+    kv = reference.prfaas_prefill
+    kv_fixed, kv_slope = kv.kv_fixed_bytes, kv.kv_slope_bytes_per_token
+    with_bytes = [r for r in prfaas_cold if r.get("link_bytes") is not None]
+    if len({r["input_tokens"] for r in with_bytes}) >= 2:
+      x = np.array([r["input_tokens"] for r in with_bytes], dtype=np.float64)
+      y = np.array([r["link_bytes"] for r in with_bytes], dtype=np.float64)
+      kv_slope, kv_fixed = (float(v) for v in np.polyfit(x, y, 1))
+      if kv_slope < 0 or kv_fixed < 0:
+        raise ValueError(f"fitted S_kv = {kv_fixed:.3g} + {kv_slope:.3g}*l is not physical")
+      calibrated.append("s_kv")
+
+    def fit_route(route: str, ref: PrefillProfile) -> PrefillProfile:
+      cold = [r for r in rows if r["route"] == route and r["cached_tokens"] == 0]
+      pts = _binned_points(cold, max_points, min_requests_per_point)
+      if pts is None:
+        prof = ref
+      else:
+        ls, ts, used_ttft = pts
+        prof = PrefillProfile(
+            name=f"{ref.name}(demo)", lengths=tuple(ls), prefill_seconds=tuple(ts),
+            kv_bytes=tuple(kv_fixed + kv_slope * l for l in ls),
+            gpus_per_instance=ref.gpus_per_instance,
+            interpolation=ref.interpolation if len(ls) >= 3 else "piecewise_linear")
+        calibrated.append(f"{route}_prefill" + ("(from ttft_s)" if used_ttft else ""))
+      if "s_kv" in calibrated and pts is None:
+        prof = dataclasses.replace(prof, kv_bytes=tuple(kv_fixed + kv_slope * l for l in prof.lengths))
+      return prof
+
+    prfaas = fit_route("prfaas", reference.prfaas_prefill)
+    pdp = fit_route("pdp", reference.pdp_prefill)
+
+    decode = reference.decode
+    tpots = [r["tpot_s"] for r in rows if r.get("tpot_s") is not None]
+    if tpots:
+      decode = dataclasses.replace(decode, step_seconds=float(np.median(tpots)))
+      calibrated.append("decode_step_seconds")
+    if "decode_max_batch_size" in data:
+      decode = dataclasses.replace(decode, max_batch_size=int(data["decode_max_batch_size"]))
+      calibrated.append("decode_max_batch_size")
+
+    link = reference.link
+    if "link_bandwidth_bps" in data:
+      link = BandwidthTrace.constant(float(data["link_bandwidth_bps"]))
+      calibrated.append("link")
+    return cls(prfaas_prefill=prfaas, pdp_prefill=pdp, decode=decode, link=link,
+               rdma_bps=reference.rdma_bps, calibrated=tuple(calibrated))
+
+
+def _validate_record(i: int, r: Any) -> dict:
+  if not isinstance(r, Mapping):
+    raise ValueError(f"requests[{i}] is not an object")
+  if r.get("route") not in ("pdp", "prfaas"):
+    raise ValueError(f"requests[{i}].route must be 'pdp' or 'prfaas', got {r.get('route')!r}")
+  out = dict(r)
+  for key in ("input_tokens", "output_tokens"):
+    if not isinstance(r.get(key), (int, float)) or r[key] < 1:
+      raise ValueError(f"requests[{i}].{key} must be a number >= 1")
+  out["cached_tokens"] = r.get("cached_tokens", 0)
+  if not 0 <= out["cached_tokens"] <= r["input_tokens"]:
+    raise ValueError(f"requests[{i}].cached_tokens must lie in [0, input_tokens]")
+  if r.get("prefill_s") is None and r.get("ttft_s") is None:
+    raise ValueError(f"requests[{i}] needs prefill_s or ttft_s")
+  for key in ("prefill_s", "ttft_s", "tpot_s", "link_bytes"):
+    v = r.get(key)
+    if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+      raise ValueError(f"requests[{i}].{key} must be a finite number >= 0")
+  return out
+
+
+def _binned_points(rows: Iterable[dict], max_points: int,
+                   min_per_point: int) -> tuple[list[float], list[float], bool] | None:
+  """Equal-count bins -> (median length, median prefill time); None if < 2 usable points."""
+  rows = sorted(rows, key=lambda r: r["input_tokens"])
+  n_points = min(max_points, len(rows) // max(min_per_point, 1))
+  if n_points < 2:
+    return None
+  used_ttft = any(r.get("prefill_s") is None for r in rows)
+  ls, ts = [], []
+  for chunk in np.array_split(np.arange(len(rows)), n_points):
+    sel = [rows[j] for j in chunk]
+    ls.append(float(np.median([r["input_tokens"] for r in sel])))
+    ts.append(float(np.median([r["prefill_s"] if r.get("prefill_s") is not None else r["ttft_s"]
+                               for r in sel])))
+  # Profile lengths must strictly increase; merge bins that share a median length.
+  merged_l, merged_t = [], []
+  for l, t in zip(ls, ts):
+    if merged_l and l <= merged_l[-1]:
+      merged_t[-1] = 0.5 * (merged_t[-1] + t)
+    else:
+      merged_l.append(l)
+      merged_t.append(t)
+  if len(merged_l) < 2:
+    return None
+  return merged_l, merged_t, used_ttft

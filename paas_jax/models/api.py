@@ -20,7 +20,8 @@ from flax import nnx
 from paas_jax.models.attention import Chunk
 from paas_jax.models.config import ModelConfig
 from paas_jax.models.hybrid import HybridLM
-from paas_jax.state import DecodeState, LayerCache, init_state, round_up
+from paas_jax.state import (DecodeState, HybridPrefixCache, LayerCache, init_state,
+                            round_up)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +192,30 @@ def decode_step(model: Model, state: DecodeState, tokens) -> tuple[jax.Array, De
                      f"[{state.batch_size}], got {tokens.shape}")
   state = _ensure_capacity(state, int(jnp.max(state.lengths)) + 1, model.config)
   return _step_core(model.graphdef, model.params, tokens, state)
+
+
+def cached_prefill(model: Model, tokens: Sequence[int], prefix_cache: HybridPrefixCache, *,
+                   owner: str | None = None) -> tuple[jax.Array, DecodeState, int]:
+  """Prefill of one prompt that reuses and extends a ``HybridPrefixCache``.
+
+  The longest cached prefix is restored; the rest is prefilled in chunks that
+  end on block boundaries, so the recurrent layers' state is checkpointed every
+  ``block_size`` tokens (chunked prefill is exact, see the model tests).
+
+  Returns:
+    (logits f32 [1, vocab] of the last prompt token, state, reused tokens).
+  """
+  tokens = [int(t) for t in tokens]
+  _as_token_batch(tokens, model.config)  # validates ids and emptiness
+  reused, state = prefix_cache.lookup(tokens)
+  block = prefix_cache.block_size
+  pos, logits = reused, None
+  while pos < len(tokens):
+    end = min(len(tokens), (pos // block + 1) * block)
+    logits, state = prefill(model, np.asarray(tokens[pos:end], np.int32), state)
+    prefix_cache.insert(tokens[:end], state, owner=owner)
+    pos = end
+  return logits[:, -1], state, reused
 
 
 class LayerwisePrefill:

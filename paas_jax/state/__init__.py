@@ -15,3 +15,4 @@ from paas_jax.state.cache import (
     round_up,
     state_bytes,
 )
+from paas_jax.state.prefix_cache import HybridPrefixCache, PrefixCacheStats

@@ -1,0 +1,204 @@
+"""Hybrid prefix cache: KV blocks for attention layers, state checkpoints for the rest.
+
+A full-attention layer's cache for a prefix is the concatenation of per-block
+slices, so it can be shared block by block. A recurrent layer (gated delta
+rule, Mamba2) or a sliding-window ring buffer summarises the whole prefix in a
+fixed-size state that cannot be cut or joined; it is reusable only at exactly
+the length it was saved at. The cache therefore keeps
+
+* one KV block per ``block_size`` tokens, keyed by a hash chain over the
+  tokens up to and including that block, and
+* a checkpoint of every non-growing layer at block boundaries,
+
+and a prefix of length ``L`` is a hit iff every KV block up to ``L`` and the
+checkpoint at ``L`` are present. Entries are evicted least-recently-used within
+a byte budget. Entries made only to feed a cross-region transfer can be tagged
+with an owner and dropped with ``release(owner)`` once the transfer is done.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paas_jax.models.config import ModelConfig
+from paas_jax.state.cache import DecodeState, init_state
+
+
+def _nbytes(tree) -> int:
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+@dataclasses.dataclass
+class _Block:
+  """KV of one block: per layer, a batch-free slice [block_size, ...] or None."""
+
+  kv: tuple
+  nbytes: int
+  owner: str | None
+
+
+@dataclasses.dataclass
+class _Checkpoint:
+  """Non-growing layer caches (batch 1) after the prefix ending at this block."""
+
+  layers: tuple
+  nbytes: int
+  owner: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheStats:
+  blocks: int
+  checkpoints: int
+  nbytes: int
+  hits: int
+  misses: int
+  hit_tokens: int
+
+
+class HybridPrefixCache:
+  """Prefix reuse for hybrid models (one instance per serving process)."""
+
+  def __init__(self, config: ModelConfig, block_size: int = 64,
+               capacity_bytes: int = 1 << 30):
+    if block_size <= 0:
+      raise ValueError(f"block_size must be > 0, got {block_size}")
+    if capacity_bytes <= 0:
+      raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+    self.config = config
+    self.block_size = block_size
+    self.capacity_bytes = capacity_bytes
+    self._blocks: collections.OrderedDict[bytes, _Block] = collections.OrderedDict()
+    self._checkpoints: collections.OrderedDict[bytes, _Checkpoint] = collections.OrderedDict()
+    self._nbytes = 0
+    self._hits = self._misses = self._hit_tokens = 0
+    self._growing = tuple(k in ("A", "M") for k in config.layer_kinds)
+
+  # -- keys ------------------------------------------------------------------------
+
+  def block_hashes(self, tokens: Sequence[int]) -> list[bytes]:
+    """Chained hashes of every complete block of ``tokens``."""
+    arr = np.asarray(tokens, np.int64)
+    digest = hashlib.blake2b(self.config.fingerprint().encode(), digest_size=16).digest()
+    out = []
+    for start in range(0, len(arr) - self.block_size + 1, self.block_size):
+      block = arr[start:start + self.block_size].tobytes()
+      digest = hashlib.blake2b(digest + block, digest_size=16).digest()
+      out.append(digest)
+    return out
+
+  # -- queries -----------------------------------------------------------------------
+
+  def match_length(self, tokens: Sequence[int]) -> int:
+    """Longest cached prefix of ``tokens`` (a multiple of ``block_size``), no side effects.
+
+    At most ``len(tokens) - 1`` tokens are matched, so the caller always has at
+    least one token left to prefill and gets logits for it.
+    """
+    hashes = self.block_hashes(list(tokens)[:max(len(tokens) - 1, 0)])
+    best = 0
+    for i, h in enumerate(hashes):
+      if h not in self._blocks:
+        break
+      if h in self._checkpoints:
+        best = (i + 1) * self.block_size
+    return best
+
+  def lookup(self, tokens: Sequence[int], capacity: int | None = None
+             ) -> tuple[int, DecodeState | None]:
+    """Returns (matched length, a batch-1 state holding that prefix) or (0, None)."""
+    matched = self.match_length(tokens)
+    if matched == 0:
+      self._misses += 1
+      return 0, None
+    hashes = self.block_hashes(list(tokens)[:matched])
+    for h in hashes:
+      self._blocks.move_to_end(h)
+    self._checkpoints.move_to_end(hashes[-1])
+    checkpoint = self._checkpoints[hashes[-1]].layers
+    blocks = [self._blocks[h].kv for h in hashes]
+    capacity = max(capacity or matched, matched)
+    state = init_state(self.config, 1, capacity)
+    layers = []
+    for i, (growing, empty) in enumerate(zip(self._growing, state.layers)):
+      if not growing:
+        layers.append(checkpoint[i])
+        continue
+      joined = jax.tree_util.tree_map(
+          lambda *parts: jnp.concatenate(parts, axis=0)[None], *[b[i] for b in blocks])
+      layers.append(jax.tree_util.tree_map(
+          lambda full, part: full.at[:, :matched].set(part), empty, joined))
+    self._hits += 1
+    self._hit_tokens += matched
+    return matched, DecodeState(layers=tuple(layers),
+                                lengths=jnp.full((1,), matched, jnp.int32))
+
+  # -- updates -----------------------------------------------------------------------
+
+  def insert(self, tokens: Sequence[int], state: DecodeState, owner: str | None = None) -> int:
+    """Caches the blocks of ``tokens`` covered by a batch-1 ``state``.
+
+    ``state`` must be the state after exactly ``len(tokens)`` tokens. KV blocks
+    are stored for every complete block not yet cached; a checkpoint of the
+    non-growing layers is stored if ``len(tokens)`` is a block boundary.
+
+    Returns:
+      bytes added.
+    """
+    if state.batch_size != 1:
+      raise ValueError(f"insert takes a batch-1 state, got batch {state.batch_size}")
+    length = int(state.lengths[0])
+    if length != len(tokens):
+      raise ValueError(f"state holds {length} tokens but {len(tokens)} tokens were given")
+    hashes = self.block_hashes(tokens)
+    added = 0
+    for i, h in enumerate(hashes):
+      if h in self._blocks:
+        self._blocks.move_to_end(h)
+        continue
+      lo, hi = i * self.block_size, (i + 1) * self.block_size
+      kv = tuple(jax.tree_util.tree_map(lambda x: x[0, lo:hi], cache) if growing else None
+                 for growing, cache in zip(self._growing, state.layers))
+      entry = _Block(kv=kv, nbytes=_nbytes(kv), owner=owner)
+      self._blocks[h] = entry
+      added += entry.nbytes
+    if hashes and length == len(hashes) * self.block_size and hashes[-1] not in self._checkpoints:
+      layers = tuple(None if growing else cache
+                     for growing, cache in zip(self._growing, state.layers))
+      entry = _Checkpoint(layers=layers, nbytes=_nbytes(layers), owner=owner)
+      self._checkpoints[hashes[-1]] = entry
+      added += entry.nbytes
+    self._nbytes += added
+    self._evict()
+    return added
+
+  def release(self, owner: str) -> int:
+    """Drops every entry tagged with ``owner`` (e.g. after its transfer finished)."""
+    freed = 0
+    for table in (self._blocks, self._checkpoints):
+      for key in [k for k, e in table.items() if e.owner == owner]:
+        freed += table.pop(key).nbytes
+    self._nbytes -= freed
+    return freed
+
+  def _evict(self) -> None:
+    while self._nbytes > self.capacity_bytes and (self._blocks or self._checkpoints):
+      # Checkpoints are useless without their blocks, and blocks are shared by
+      # many prefixes, so checkpoints go first.
+      table = self._checkpoints if self._checkpoints else self._blocks
+      _, entry = table.popitem(last=False)
+      self._nbytes -= entry.nbytes
+
+  @property
+  def stats(self) -> PrefixCacheStats:
+    return PrefixCacheStats(blocks=len(self._blocks), checkpoints=len(self._checkpoints),
+                            nbytes=self._nbytes, hits=self._hits, misses=self._misses,
+                            hit_tokens=self._hit_tokens)
+

@@ -1,0 +1,414 @@
+"""Benchmarks the decode-state codec and the gRPC transport.
+
+For each model (default: the tiny hybrid, the ~100M hybrid and the ~100M dense
+baseline), on a state produced by a real prefill of random-weight models:
+
+* bytes_ratio: serialized bytes / analytic state bytes (``state_bytes``) for
+  raw, zstd, blosc, int8 and fp8 KV; plus the logit error of the next decode
+  step after restoring an int8 / fp8 state.
+* encode / decode GB/s of the codec versus a plain ``ndarray.tobytes`` /
+  ``np.frombuffer(...).copy()`` of the same live arrays.
+* grpc_vs_tcp: goodput of StateSender -> StateReceiver over 127.0.0.1 versus a
+  raw TCP socket sending the same bytes; both receivers run in a separate
+  process so that sender and receiver do not share a GIL. grpc_vs_bare_grpc
+  compares with one bare gRPC stream of the same bytes into a servicer that
+  does nothing, which is the floor any gRPC-Python transport sits on.
+* pipelined_vs_serial: prefill start to a restored state at the decode side,
+  layer-wise (LayerwisePrefill -> send_layer, overlapping) versus
+  store-then-send (the same LayerwisePrefill run to the end, encode
+  everything, then send); below 1 means pipelining wins. Runs are
+  interleaved and the median of paired ratios is reported, plus the same
+  ratio for the tail after prefill ends (``ready_after_prefill_s``), which is
+  what pipelining removes and which prefill-time noise does not swamp.
+
+usage: python experiments/bench_transfer.py --json_out=/tmp/bench_transfer.json
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import struct
+import sys
+import time
+
+from absl import app, flags
+
+# Runnable as a script from the repository root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("json_out", None, "Where to write the results (JSON).", required=True)
+flags.DEFINE_list("models", ["tiny_gdn_gqa", "hybrid_100m", "dense_100m"], "Model configs.")
+flags.DEFINE_list("tokens", ["512", "1024", "1024"],
+                  "Prompt tokens per model (one value for all, or one per model).")
+flags.DEFINE_integer("repeats", 3, "Timed repetitions per measurement (median reported).")
+flags.DEFINE_integer("streams", 4, "Parallel gRPC streams.")
+flags.DEFINE_string("pipeline_codec", "raw", "Codec of the time-to-ready runs.")
+
+
+# -- receivers in child processes ---------------------------------------------------
+
+def _serve_grpc(conn, models: dict, template_model: str | None) -> None:
+  """Child process: a StateReceiver; restores into templates when asked to."""
+  from paas_jax.transport import ReceiverOptions, StateReceiver, serve_receiver
+  template = None
+  if template_model is not None:
+    from paas_jax.models import load_config
+    from paas_jax.state import abstract_state, round_up
+    config = load_config(template_model)
+    template = lambda info: (abstract_state(config, 1, round_up(info.token_count + 64)), None)
+
+  def on_ready(received):
+    if received.state is not None:
+      import jax
+      jax.block_until_ready(received.state)
+    received.release()
+
+  receiver = StateReceiver(models=models, template=template, on_ready=on_ready,
+                           options=ReceiverOptions(byte_budget=8 << 30))
+  server = serve_receiver(receiver, "127.0.0.1:0", max_workers=64)
+  conn.send(server.port)
+  conn.recv()  # Parent says stop.
+  server.stop(0)
+
+
+def _serve_null(conn) -> None:
+  """Child process: the transfer service with a Push that only drains frames."""
+  from paas_jax.proto import transport_pb2, transport_pb2_grpc
+  from paas_jax.transport import channels
+
+  class Null(transport_pb2_grpc.StateTransferServicer):
+    def Push(self, request_iterator, context):
+      n = sum(1 for _ in request_iterator)
+      return transport_pb2.PushSummary(chunks=n)
+
+  server = channels.make_server(max_workers=8)
+  transport_pb2_grpc.add_StateTransferServicer_to_server(Null(), server)
+  port = channels.add_port(server, "127.0.0.1:0")
+  server.start()
+  conn.send(port)
+  conn.recv()
+  server.stop(0)
+
+
+def _bare_grpc_send(port: int, groups) -> float:
+  """One Push stream of prebuilt frames on a fresh channel: the gRPC floor."""
+  from paas_jax.proto import transport_pb2, transport_pb2_grpc
+  from paas_jax.transport import channels
+  frames = [transport_pb2.Frame(chunk=transport_pb2.Chunk(key=k, data=v, nbytes=len(v)))
+            for g in groups for k, v in g.blobs.items()]
+  channel = channels.make_channels(f"127.0.0.1:{port}", 1)[0]
+  try:
+    stub = transport_pb2_grpc.StateTransferStub(channel)
+    t0 = time.perf_counter()
+    stub.Push(iter(frames), timeout=120)
+    return time.perf_counter() - t0
+  finally:
+    channel.close()
+
+
+def _serve_tcp(conn) -> None:
+  """Child process: receives length-prefixed payloads and acknowledges each."""
+  listener = socket.socket()
+  listener.bind(("127.0.0.1", 0))
+  listener.listen(4)
+  conn.send(listener.getsockname()[1])
+  buf = bytearray(4 << 20)
+  while True:
+    sock, _ = listener.accept()
+    header = sock.recv(8, socket.MSG_WAITALL)
+    if len(header) < 8:
+      sock.close()
+      break
+    (total,) = struct.unpack("<Q", header)
+    got = 0
+    while got < total:
+      n = sock.recv_into(buf, min(len(buf), total - got))
+      if n == 0:
+        break
+      got += n
+    sock.sendall(b"k")
+    sock.close()
+
+
+class Child:
+  def __init__(self, target, *args):
+    ctx = mp.get_context("spawn")
+    self.conn, child_conn = ctx.Pipe()
+    self.proc = ctx.Process(target=target, args=(child_conn, *args), daemon=True)
+    self.proc.start()
+    if not self.conn.poll(120):
+      raise RuntimeError(f"{target.__name__} did not start")
+    self.port = self.conn.recv()
+
+  def stop(self):
+    try:
+      self.conn.send("stop")
+    except (BrokenPipeError, OSError):
+      pass
+    self.proc.join(10)
+    if self.proc.is_alive():
+      self.proc.kill()
+
+
+def _tcp_send(port: int, blobs: list[bytes]) -> float:
+  total = sum(len(b) for b in blobs)
+  t0 = time.perf_counter()
+  with socket.create_connection(("127.0.0.1", port)) as sock:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.sendall(struct.pack("<Q", total))
+    for b in blobs:
+      sock.sendall(b)
+    if sock.recv(1) != b"k":
+      raise RuntimeError("TCP receiver did not acknowledge")
+  return time.perf_counter() - t0
+
+
+# -- measurements -------------------------------------------------------------------------
+
+def _median_time(fn, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _logit_error(model, state, next_token, options):
+  import jax
+  import numpy as np
+  from paas_jax import codec
+  from paas_jax.models.api import decode_step
+  ref, _ = decode_step(model, state, next_token)
+  store = codec.MemoryStore()
+  codec.encode_state(state, store, model_id="m", config_fingerprint="f", options=options)
+  restored = codec.decode_state(store, like=jax.eval_shape(lambda: state))
+  got, _ = decode_step(model, restored, next_token)
+  ref, got = np.asarray(ref), np.asarray(got)
+  d = got - ref
+  return {"rel_l2": float(np.linalg.norm(d) / np.linalg.norm(ref)),
+          "max_abs": float(np.abs(d).max()),
+          "top1_agree": bool((ref.argmax(-1) == got.argmax(-1)).all())}
+
+
+def bench_model(name: str, n_tokens: int, progress) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from paas_jax import codec
+  from paas_jax.codec.layout import layer_leaves, live_extent, split_state
+  from paas_jax.models import load_config
+  from paas_jax.models.api import LayerwisePrefill, Model, prefill
+  from paas_jax.state import state_bytes
+  from paas_jax.transport import SenderOptions, StateSender
+
+  config = load_config(name)
+  model = Model.create(config, seed=0)
+  tokens = np.random.default_rng(0).integers(0, config.vocab_size, n_tokens)
+  _, state = prefill(model, tokens)
+  jax.block_until_ready(state)
+  analytic = state_bytes(config, n_tokens).total
+  fingerprint = config.fingerprint()
+  out: dict = {"model": name, "tokens": n_tokens, "params": model.n_params,
+               "layer_kinds": "".join(config.layer_kinds), "analytic_state_bytes": analytic}
+  repeats = FLAGS.repeats
+
+  # Bytes and logit error per codec.
+  variants = {"raw": codec.CodecOptions(), "zstd": codec.CodecOptions(compression="zstd"),
+              "blosc": codec.CodecOptions(compression="blosc"),
+              "int8": codec.CodecOptions(quantization="int8"),
+              "fp8": codec.CodecOptions(quantization="fp8")}
+  out["serialized_bytes"], out["bytes_ratio"] = {}, {}
+  for label, options in variants.items():
+    manifest = codec.build_manifest(
+        [g.entry for g in codec.encode_groups(state, options=options)], model_id=name,
+        config_fingerprint=fingerprint, token_count=n_tokens, batch=1, options=options)
+    out["serialized_bytes"][label] = manifest.nbytes
+    out["bytes_ratio"][label] = manifest.nbytes / analytic
+  progress.update()
+  next_token = jnp.array([int(tokens[-1])], jnp.int32)
+  out["logit_error"] = {q: _logit_error(model, state, next_token, variants[q])
+                        for q in ("int8", "fp8")}
+  progress.update()
+
+  # Encode / decode throughput against a plain bytes copy of the live arrays.
+  layers, rest = split_state(state)
+  live = []
+  for i, layer in enumerate(layers):
+    for _, leaf, role in layer_leaves(i, layer):
+      a = np.asarray(leaf)
+      if role.token_axis is not None:
+        n = live_extent(role, a.shape[role.token_axis], n_tokens)
+        a = np.take(a, np.arange(n), axis=role.token_axis)
+      live.append(a)
+  live += [np.asarray(leaf) for _, leaf in rest]
+  live_bytes = sum(a.nbytes for a in live)
+  raw_bytes = [a.tobytes() for a in live]
+  t_tobytes = _median_time(lambda: [a.tobytes() for a in live], repeats)
+  t_frombuffer = _median_time(
+      lambda: [np.frombuffer(b, a.dtype).reshape(a.shape).copy() for a, b in zip(live, raw_bytes)],
+      repeats)
+  like = jax.eval_shape(lambda: state)
+  out["encode_gbps"], out["decode_gbps"] = {}, {}
+  for label in ("raw", "zstd", "blosc"):
+    options = variants[label]
+    t_enc = _median_time(lambda: list(codec.encode_groups(state, options=options)), repeats)
+    store = codec.MemoryStore()
+    codec.encode_state(state, store, model_id=name, config_fingerprint=fingerprint,
+                       options=options)
+    t_dec = _median_time(lambda: jax.block_until_ready(codec.decode_state(store, like=like)),
+                         repeats)
+    out["encode_gbps"][label] = live_bytes / t_enc / 1e9
+    out["decode_gbps"][label] = live_bytes / t_dec / 1e9
+  out["encode_gbps"]["baseline_tobytes"] = live_bytes / t_tobytes / 1e9
+  out["decode_gbps"]["baseline_frombuffer"] = live_bytes / t_frombuffer / 1e9
+  out["encode_vs_baseline"] = out["encode_gbps"]["raw"] / out["encode_gbps"]["baseline_tobytes"]
+  out["decode_vs_baseline"] = (out["decode_gbps"]["raw"]
+                               / out["decode_gbps"]["baseline_frombuffer"])
+  progress.update()
+
+  # gRPC goodput versus raw TCP, same bytes, receiver in another process.
+  groups = list(codec.encode_groups(state))
+  blobs = [b for g in groups for b in g.blobs.values()]
+  payload = sum(len(b) for b in blobs)
+  rx = Child(_serve_grpc, {name: fingerprint}, None)
+  tcp = Child(_serve_tcp)
+  null = Child(_serve_null)
+  try:
+    _bare_grpc_send(null.port, groups)
+    t_bare = statistics.median(_bare_grpc_send(null.port, groups) for _ in range(repeats))
+    grpc_runs = {}
+    for streams in sorted({1, FLAGS.streams}):
+      sender = StateSender(f"127.0.0.1:{rx.port}",
+                           options=SenderOptions(num_streams=streams, num_connections=streams))
+      durations, example = [], None
+      for r in range(repeats + 1):  # first run warms up channels
+        with sender.begin(model_id=name, config_fingerprint=fingerprint,
+                          num_layers=config.n_layers, lengths=[n_tokens]) as tx:
+          for g in groups:
+            tx.send_encoded(g)
+          result = tx.finish()
+        if r:
+          durations.append(result.timeline.duration_s)
+          example = result.timeline
+      sender.close()
+      grpc_runs[streams] = {"goodput_gbps": payload / statistics.median(durations) / 1e9,
+                            "timeline": example.to_dict()}
+    _tcp_send(tcp.port, blobs)
+    t_tcp = statistics.median(_tcp_send(tcp.port, blobs) for _ in range(repeats))
+  finally:
+    rx.stop()
+    null.stop()
+    try:
+      socket.create_connection(("127.0.0.1", tcp.port)).close()
+    except OSError:
+      pass
+    tcp.stop()
+  best = max(v["goodput_gbps"] for v in grpc_runs.values())
+  out["transfer_payload_bytes"] = payload
+  out["grpc_goodput_gbps"] = {str(k): v["goodput_gbps"] for k, v in grpc_runs.items()}
+  out["tcp_goodput_gbps"] = payload / t_tcp / 1e9
+  out["grpc_vs_tcp"] = best / out["tcp_goodput_gbps"]
+  # Same bytes as one bare gRPC stream into a servicer that does nothing:
+  # separates gRPC-Python's own cost from this protocol's (Begin, descriptors,
+  # verification, Commit).
+  out["bare_grpc_goodput_gbps"] = payload / t_bare / 1e9
+  out["grpc_vs_bare_grpc"] = best / out["bare_grpc_goodput_gbps"]
+  out["grpc_timeline_example"] = grpc_runs[FLAGS.streams]["timeline"]
+  progress.update()
+
+  # Time to a restored state at the decode side: layer-wise versus store-then-send.
+  options = codec.CodecOptions(compression=FLAGS.pipeline_codec)
+  rx = Child(_serve_grpc, {name: fingerprint}, name)
+  sender = StateSender(f"127.0.0.1:{rx.port}",
+                       options=SenderOptions(num_streams=FLAGS.streams,
+                                             num_connections=FLAGS.streams))
+  begin = lambda: sender.begin(model_id=name, config_fingerprint=fingerprint,
+                               num_layers=config.n_layers, lengths=[n_tokens], codec=options)
+
+  # Both paths run the same per-layer prefill, so the difference is the overlap alone.
+  def serial():
+    run = LayerwisePrefill(model, tokens)
+    for _ in run:
+      pass
+    jax.block_until_ready(run.state)
+    t_prefill = time.perf_counter()
+    encoded = list(codec.encode_groups(run.state, options=options))
+    with begin() as tx:
+      for g in encoded:
+        tx.send_encoded(g)
+      return t_prefill, tx.finish()
+
+  def pipelined():
+    run = LayerwisePrefill(model, tokens)
+    with begin() as tx:
+      tx.send_layers(run)
+      jax.block_until_ready(run.state)
+      t_prefill = time.perf_counter()
+      return t_prefill, tx.finish()
+
+  try:
+    serial(), pipelined()  # compile and warm up both paths
+    runs = {"serial": [], "pipelined": []}
+    # Interleaved, so that load from other processes hits both paths alike.
+    for _ in range(repeats):
+      for label, fn in (("serial", serial), ("pipelined", pipelined)):
+        t0 = time.perf_counter()
+        t_prefill, result = fn()
+        t_ready = time.perf_counter()
+        runs[label].append((t_ready - t0, t_prefill - t0, result.timeline))
+  finally:
+    sender.close()
+    rx.stop()
+  med = lambda xs: statistics.median(xs)
+  out["time_to_ready_s"] = {k: med([r[0] for r in v]) for k, v in runs.items()}
+  out["prefill_s"] = {k: med([r[1] for r in v]) for k, v in runs.items()}
+  # What pipelining removes: the wait between the end of prefill and a
+  # restored state at the decode side.
+  out["ready_after_prefill_s"] = {k: med([r[0] - r[1] for r in v]) for k, v in runs.items()}
+  out["pipelined_vs_serial"] = med([p[0] / s_[0] for p, s_ in zip(runs["pipelined"],
+                                                                     runs["serial"])])
+  out["pipelined_vs_serial_after_prefill"] = (out["ready_after_prefill_s"]["pipelined"]
+                                              / out["ready_after_prefill_s"]["serial"])
+  out["pipelined_timeline_example"] = runs["pipelined"][-1][2].to_dict()
+  progress.update()
+  return out
+
+
+def main(argv):
+  del argv
+  from tqdm import tqdm
+  models = FLAGS.models
+  tokens = [int(t) for t in FLAGS.tokens]
+  if len(tokens) == 1:
+    tokens = tokens * len(models)
+  if len(tokens) != len(models):
+    raise app.UsageError("--tokens needs one value or one per model")
+  results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                         "python": platform.python_version(),
+                         "load_average_at_start": os.getloadavg()},
+             "flags": {"models": models, "tokens": tokens, "repeats": FLAGS.repeats,
+                       "streams": FLAGS.streams, "pipeline_codec": FLAGS.pipeline_codec},
+             "models": {}}
+  with tqdm(total=5 * len(models), desc="bench_transfer") as progress:
+    for name, n in zip(models, tokens):
+      progress.set_postfix_str(name)
+      results["models"][name] = bench_model(name, n, progress)
+      with open(FLAGS.json_out, "w") as f:
+        json.dump(results, f, indent=2)
+  summary = {name: {k: r[k] for k in ("bytes_ratio", "grpc_vs_tcp", "grpc_vs_bare_grpc",
+                                      "pipelined_vs_serial",
+                                      "pipelined_vs_serial_after_prefill",
+                                      "encode_vs_baseline", "decode_vs_baseline")}
+             for name, r in results["models"].items()}
+  print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+  app.run(main)

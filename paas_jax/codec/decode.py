@@ -1,0 +1,344 @@
+"""Verifying and restoring a serialized decode state.
+
+Restore never trusts storage: every object listed in the manifest is read,
+checked against its size and crc32c, and copied into a private in-memory
+store before TensorStore decodes anything, so a bad object fails the whole
+restore with an error naming its layer and chunk and no partial state is
+returned. Arrays are restored into the reader's template: its capacity (the
+live tokens are padded back with zeros), its dtype and its sharding (each
+device reads only its own slice, so TP=8 on the sender and TP=2 or 1 here
+just work).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from paas_jax.codec import layout
+from paas_jax.codec.errors import (ChunkIntegrityError, CodecError, FingerprintMismatchError,
+                                   IncompleteStateError, LayoutMismatchError)
+from paas_jax.codec.manifest import (GLOBAL_LAYER_INDEX, MANIFEST_KEY, PARTIAL_MANIFEST_PREFIX,
+                                     ArrayEntry, ChunkEntry, LayerEntry, StateManifest,
+                                     merge_manifests)
+from paas_jax.codec.quantize import dequantize
+from paas_jax.codec.store import KvStoreLike, MemoryStore, crc32c, open_kvstore
+
+# A sharding for every leaf: a pytree matching the template (Sharding or None
+# leaves), or a function of (leaf name, template leaf).
+ShardingsLike = Any | Callable[[str, Any], Any] | None
+
+
+def _parse_manifest(kv: ts.KvStore, key: str, data: bytes) -> StateManifest:
+  try:
+    return StateManifest.from_json(data)
+  except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+    raise CodecError(f"{key} in {kv.url} is not a valid state manifest: {e}") from e
+
+
+def _read_partial_manifests(kv: ts.KvStore) -> StateManifest | None:
+  """Merges ``manifest.<i>-of-<n>.json`` of a multi-process write, if any."""
+  keys = [k.decode() for k in kv.list(ts.KvStore.KeyRange(
+      PARTIAL_MANIFEST_PREFIX, PARTIAL_MANIFEST_PREFIX[:-1] + "/")).result()]
+  parts = {}
+  for key in keys:
+    m = re.fullmatch(r"manifest\.(\d+)-of-(\d+)\.json", key)
+    if m:
+      parts.setdefault(int(m.group(2)), {})[int(m.group(1))] = key
+  if not parts:
+    return None
+  if len(parts) > 1:
+    raise CodecError(f"partial manifests of writes with different process counts "
+                     f"{sorted(parts)} in {kv.url}")
+  (count, found), = parts.items()
+  missing = sorted(set(range(count)) - set(found))
+  if missing:
+    raise IncompleteStateError(
+        f"{kv.url}: partial manifests of processes {missing} (of {count}) are missing: "
+        "the sharded write never completed; refusing to read a partial state")
+  manifests = []
+  for i in range(count):
+    result = kv.read(found[i]).result()
+    manifests.append(_parse_manifest(kv, found[i], result.value))
+  try:
+    return merge_manifests(manifests)
+  except ValueError as e:
+    raise CodecError(f"{kv.url}: {e}") from e
+
+
+def read_manifest(where: KvStoreLike) -> StateManifest:
+  """Reads ``manifest.json`` (or merges a multi-process write's partial manifests).
+
+  Raises ``IncompleteStateError`` if the state was never committed.
+  """
+  kv = open_kvstore(where)
+  result = kv.read(MANIFEST_KEY).result()
+  if result.state == "value":
+    return _parse_manifest(kv, MANIFEST_KEY, result.value)
+  merged = _read_partial_manifests(kv)
+  if merged is None:
+    raise IncompleteStateError(
+        f"no {MANIFEST_KEY} in {kv.url}: the state was never committed (or its writer "
+        "died part-way); refusing to read a partial state")
+  return merged
+
+
+def check_identity(manifest: StateManifest, *, expected_model_id: str | None = None,
+                   expected_fingerprint: str | None = None) -> None:
+  """Raises ``FingerprintMismatchError`` unless the state belongs to the reader's model."""
+  if ((expected_fingerprint is not None
+       and manifest.config_fingerprint != expected_fingerprint)
+      or (expected_model_id is not None and manifest.model_id != expected_model_id)):
+    raise FingerprintMismatchError(
+        expected_model_id=expected_model_id, expected_fingerprint=expected_fingerprint,
+        got_model_id=manifest.model_id, got_fingerprint=manifest.config_fingerprint)
+
+
+def check_blob(chunk: ChunkEntry, data: bytes | None) -> str | None:
+  """Why ``data`` is not the object ``chunk`` describes, or None if it is."""
+  if data is None:
+    return "missing"
+  if len(data) < chunk.nbytes:
+    return f"truncated: {len(data)} of {chunk.nbytes} bytes"
+  if len(data) > chunk.nbytes:
+    return f"size mismatch: {len(data)} bytes where the manifest lists {chunk.nbytes}"
+  got = crc32c(data)
+  if got != chunk.crc32c:
+    return f"crc32c mismatch: data has 0x{got:08x}, manifest lists 0x{chunk.crc32c:08x}"
+  return None
+
+
+def fetch_group(kv: ts.KvStore, group: LayerEntry) -> dict[str, bytes]:
+  """Reads and verifies every object of one layer; raises ``ChunkIntegrityError``."""
+  reads = [(array, chunk, kv.read(chunk.key)) for array, chunk in group.chunks()]
+  blobs = {}
+  for array, chunk, future in reads:
+    result = future.result()
+    data = result.value if result.state == "value" else None
+    reason = check_blob(chunk, data)
+    if reason is not None:
+      raise ChunkIntegrityError(layer_index=group.index, layer_kind=group.kind,
+                                array=array.name, key=chunk.key, reason=reason)
+    blobs[chunk.key] = data
+  return blobs
+
+
+def _intersect(index: tuple, target_shape, stored_shape):
+  """(read box in the stored array, destination slice in the output) of one
+  device slice; None if the slice is all padding."""
+  src, dst = [], []
+  for s, tdim, sdim in zip(index, target_shape, stored_shape):
+    start, stop, _ = s.indices(tdim)
+    hi = min(stop, sdim)
+    if hi <= start:
+      return None
+    src.append(slice(start, hi))
+    dst.append(slice(0, hi - start))
+  return tuple(src), tuple(dst)
+
+
+def _check_fits(group: LayerEntry, entry: ArrayEntry, shape: tuple, dtype: np.dtype) -> None:
+  where = ("state-level" if group.index == GLOBAL_LAYER_INDEX
+           else f"layer {group.index} ({group.kind})")
+
+  def fail(msg):
+    raise LayoutMismatchError(f"{where}, array {entry.name!r}: {msg}")
+
+  if np.dtype(entry.dtype) != dtype:
+    fail(f"stored as {entry.dtype}, template wants {dtype.name}")
+  if len(shape) != len(entry.shape):
+    fail(f"stored rank {len(entry.shape)} (shape {entry.shape}), template shape {shape}")
+  for axis, (want, have, full) in enumerate(zip(shape, entry.stored_shape, entry.shape)):
+    if axis == entry.token_axis and entry.trim == "prefix":
+      if want < have:
+        fail(f"{have} live tokens do not fit the template's capacity {want}")
+    elif axis == entry.token_axis and entry.trim == "ring":
+      if want != full:
+        fail(f"ring buffer of window {full} cannot be restored into window {want}")
+    elif want != have:
+      fail(f"stored shape {entry.stored_shape} does not match template shape {shape} "
+           f"on axis {axis}")
+
+
+def _template_sharding(name: str, leaf: Any, shardings: ShardingsLike, flat_shardings):
+  if callable(shardings) and not isinstance(shardings, jax.sharding.Sharding):
+    return shardings(name, leaf)
+  if flat_shardings is not None:
+    return flat_shardings[name]
+  return getattr(leaf, "sharding", None)
+
+
+def restore_array(store: MemoryStore, group: LayerEntry, entry: ArrayEntry, shape: tuple,
+                  dtype: np.dtype, sharding: jax.sharding.Sharding | None, *,
+                  as_numpy: bool = False):
+  """Restores one array from a verified store into ``shape`` / ``dtype`` / ``sharding``.
+
+  Live positions are copied, the rest of the template's capacity is zero; each
+  device reads only the part of the stored array that its slice covers.
+  """
+  shape = tuple(int(s) for s in shape)
+  dtype = np.dtype(dtype)
+  _check_fits(group, entry, shape, dtype)
+  arr = ts.open(store.zarr_spec(entry.name), context=store.context, open=True,
+                read=True).result()
+  scale = None
+  if entry.quantization != "none":
+    scale_entry = group.array(f"{entry.name}@scale")
+    scale = ts.open(store.zarr_spec(scale_entry.name), context=store.context, open=True,
+                    read=True).result().read().result()
+  t = entry.token_axis
+
+  def read_slice(index: tuple) -> np.ndarray:
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    out_shape = tuple(len(range(*s.indices(d))) for s, d in zip(index, shape))
+    boxes = _intersect(index, shape, entry.stored_shape)
+    if boxes is None:
+      return np.zeros(out_shape, dtype)
+    src, dst = boxes
+    data = arr[src].read().result()
+    if scale is not None:
+      data = dequantize(data, scale[tuple(s for i, s in enumerate(src) if i != t)],
+                        token_axis=t, dtype=dtype)
+    if data.shape == out_shape:
+      return np.asarray(data, dtype)
+    out = np.zeros(out_shape, dtype)
+    out[dst] = data
+    return out
+
+  if as_numpy:
+    return read_slice(tuple(slice(None) for _ in shape))
+  if sharding is None:
+    # Uncommitted, like the output of an ordinary jitted prefill: a committed
+    # array would make the decode step's jit cache miss and recompile.
+    return jax.device_put(read_slice(tuple(slice(None) for _ in shape)))
+  return jax.make_array_from_callback(shape, sharding, read_slice)
+
+
+def _template_index(like: Any, shardings: ShardingsLike):
+  named = layout.named_leaves(like)
+  flat_shardings = None
+  if shardings is not None and not callable(shardings):
+    leaves = jax.tree_util.tree_leaves(
+        shardings, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding))
+    if len(leaves) != len(named):
+      raise LayoutMismatchError(f"shardings has {len(leaves)} leaves, template has "
+                                f"{len(named)}")
+    flat_shardings = {n: s for (n, _), s in zip(named, leaves)}
+  return named, flat_shardings
+
+
+def check_template(manifest: StateManifest, like: Any) -> None:
+  """Raises ``LayoutMismatchError`` unless ``like`` has exactly the manifest's layers and arrays."""
+  layers, _ = layout.split_state(like)
+  if layers and len(layers) != len(manifest.layers):
+    raise LayoutMismatchError(f"state has {len(manifest.layers)} layers, template has "
+                              f"{len(layers)}")
+  for layer, entry in zip(layers, manifest.layers):
+    if layout.layer_kind(layer) != entry.kind:
+      raise LayoutMismatchError(f"layer {entry.index} is {entry.kind} in the state but "
+                                f"{layout.layer_kind(layer)} in the template")
+  stored = {a.name for g in manifest.groups for a in g.arrays if a.role == "data"}
+  wanted = {n for n, _ in layout.named_leaves(like)}
+  if stored != wanted:
+    raise LayoutMismatchError(
+        f"arrays differ: only in the state {sorted(stored - wanted)}, only in the "
+        f"template {sorted(wanted - stored)}")
+
+
+def restore_group(store: MemoryStore, group: LayerEntry, like: Any,
+                  shardings: ShardingsLike = None) -> dict[str, Any]:
+  """Restores the data arrays of one group; returns name -> array.
+
+  ``like`` is the full template state (only the group's leaves are used).
+  """
+  named, flat_shardings = _template_index(like, shardings)
+  leaves = dict(named)
+  out = {}
+  for entry in group.arrays:
+    if entry.role != "data":
+      continue
+    if entry.name not in leaves:
+      raise LayoutMismatchError(f"template has no leaf {entry.name!r}")
+    leaf = leaves[entry.name]
+    sharding = _template_sharding(entry.name, leaf, shardings, flat_shardings)
+    out[entry.name] = restore_array(
+        store, group, entry, np.shape(leaf), np.dtype(leaf.dtype), sharding,
+        as_numpy=isinstance(leaf, np.ndarray))
+  return out
+
+
+def assemble(like: Any, restored: Mapping[str, Any]) -> Any:
+  """Builds the state pytree from restored arrays named as ``like``'s leaves."""
+  named = layout.named_leaves(like)
+  treedef = jax.tree_util.tree_structure(like)
+  return jax.tree_util.tree_unflatten(treedef, [restored[n] for n, _ in named])
+
+
+def restore_from_store(store: MemoryStore, manifest: StateManifest, like: Any,
+                       shardings: ShardingsLike = None) -> Any:
+  """Restores a full state from an already verified in-memory store."""
+  check_template(manifest, like)
+  restored = {}
+  for group in manifest.groups:
+    restored.update(restore_group(store, group, like, shardings))
+  return assemble(like, restored)
+
+
+def decode_state(where: KvStoreLike, *, like: Any, shardings: ShardingsLike = None,
+                 expected_model_id: str | None = None,
+                 expected_fingerprint: str | None = None,
+                 manifest: StateManifest | None = None) -> Any:
+  """Verifies and restores a state written by ``encode_state``.
+
+  Args:
+    where: the kvstore the state was written to.
+    like: template pytree (concrete arrays or ``jax.ShapeDtypeStruct``s, e.g.
+      ``paas_jax.state.abstract_state(config, batch, capacity)``) giving the
+      receiver's capacity, dtypes and, via their ``.sharding``, placement.
+      numpy leaves are restored as numpy arrays.
+    shardings: overrides placement: a pytree like ``like`` with Sharding (or
+      None) leaves, or ``f(name, template_leaf) -> Sharding``.
+    expected_model_id, expected_fingerprint: refuse states of other models.
+    manifest: skip reading ``manifest.json`` (already read).
+
+  Returns:
+    The state with ``like``'s structure.
+
+  Raises:
+    IncompleteStateError: no manifest.
+    FingerprintMismatchError: another model or config.
+    ChunkIntegrityError: an object is missing, truncated or corrupted (the
+      message names the layer and the chunk).
+    LayoutMismatchError: the state does not fit the template.
+  """
+  kv = open_kvstore(where)
+  if manifest is None:
+    manifest = read_manifest(kv)
+  check_identity(manifest, expected_model_id=expected_model_id,
+                 expected_fingerprint=expected_fingerprint)
+  check_template(manifest, like)
+  restored = {}
+  # One layer at a time, so at most one layer's encoded bytes are staged.
+  for group in manifest.groups:
+    store = MemoryStore()
+    try:
+      store.put_many(fetch_group(kv, group))
+      restored.update(restore_group(store, group, like, shardings))
+    finally:
+      store.close()
+  return assemble(like, restored)
+
+
+def verify_state(where: KvStoreLike, manifest: StateManifest | None = None) -> StateManifest:
+  """Checks every object of a stored state without decoding it; returns the manifest."""
+  kv = open_kvstore(where)
+  if manifest is None:
+    manifest = read_manifest(kv)
+  for group in manifest.groups:
+    fetch_group(kv, group)
+  return manifest

@@ -1,0 +1,295 @@
+"""The manifest: what a serialized decode state contains and how to check it.
+
+The manifest is written last (``manifest.json`` next to the arrays), so its
+presence is the commit marker of a stored state; over gRPC the same JSON is
+the Commit message. It lists every object of every array with its size and
+crc32c, which is what lets a reader refuse a truncated or corrupted state
+before any byte of it reaches a decode step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Iterator
+
+import numpy as np
+
+from paas_jax.codec.options import CodecOptions
+
+FORMAT = "paas-jax-decode-state"
+FORMAT_VERSION = 1
+MANIFEST_KEY = "manifest.json"
+# Multi-process writers: each process lists only the objects it wrote.
+PARTIAL_MANIFEST_PREFIX = "manifest."
+
+
+def partial_manifest_key(process_index: int, process_count: int) -> str:
+  return f"{PARTIAL_MANIFEST_PREFIX}{process_index:05d}-of-{process_count:05d}.json"
+GLOBAL_LAYER_INDEX = -1
+GLOBAL_LAYER_KIND = "state"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkEntry:
+  """One stored object: a zarr3 chunk or an array's ``zarr.json``.
+
+  ``key`` is relative to the state's root, e.g. ``layers/3/k/c/0/0/0/0``.
+  """
+
+  key: str
+  nbytes: int
+  crc32c: int
+
+  def to_dict(self) -> dict:
+    return {"key": self.key, "nbytes": self.nbytes, "crc32c": self.crc32c}
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "ChunkEntry":
+    return cls(key=str(d["key"]), nbytes=int(d["nbytes"]), crc32c=int(d["crc32c"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayEntry:
+  """One zarr3 array of the state.
+
+  Attributes:
+    name: pytree path of the leaf joined by "/", also the array's folder,
+      e.g. ``layers/3/k``; a quantization scale is ``<name>@scale``.
+    role: "data" or "scale".
+    dtype: dtype of the leaf in the state (what restore returns).
+    shape: shape of the leaf at the sender (full capacity).
+    stored_dtype, stored_shape: what is in the zarr3 array. For trimmed
+      caches the token axis holds only the live tokens; for a scale, the token
+      axis is gone.
+    token_axis, head_axis: axes of the leaf, or None.
+    trim: "none", "prefix" (positions [0, n) of a growing cache) or "ring"
+      (the first min(n, window) slots of a sliding-window ring buffer).
+    quantization: "none", "int8" or "fp8" for role "data".
+    chunk_shape: zarr3 regular chunk grid.
+    chunks: every stored object of the array, including ``zarr.json``. Chunks
+      whose content equals the fill value (0) are not stored and not listed.
+  """
+
+  name: str
+  role: str
+  dtype: str
+  shape: tuple[int, ...]
+  stored_dtype: str
+  stored_shape: tuple[int, ...]
+  token_axis: int | None
+  head_axis: int | None
+  trim: str
+  quantization: str
+  chunk_shape: tuple[int, ...]
+  chunks: tuple[ChunkEntry, ...] = ()
+
+  @property
+  def nbytes(self) -> int:
+    return sum(c.nbytes for c in self.chunks)
+
+  @property
+  def logical_nbytes(self) -> int:
+    """Bytes of the live part of the leaf in its own dtype (the analytic size)."""
+    if self.role != "data":
+      return 0
+    return int(np.prod(self.stored_shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+  @property
+  def metadata_key(self) -> str:
+    return f"{self.name}/zarr.json"
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["chunks"] = [c.to_dict() for c in self.chunks]
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "ArrayEntry":
+    return cls(
+        name=str(d["name"]), role=str(d["role"]), dtype=str(d["dtype"]),
+        shape=tuple(int(x) for x in d["shape"]), stored_dtype=str(d["stored_dtype"]),
+        stored_shape=tuple(int(x) for x in d["stored_shape"]),
+        token_axis=None if d["token_axis"] is None else int(d["token_axis"]),
+        head_axis=None if d["head_axis"] is None else int(d["head_axis"]),
+        trim=str(d["trim"]), quantization=str(d["quantization"]),
+        chunk_shape=tuple(int(x) for x in d["chunk_shape"]),
+        chunks=tuple(ChunkEntry.from_dict(c) for c in d.get("chunks", ())))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerEntry:
+  """The arrays of one layer (``index >= 0``) or of the state itself (``-1``).
+
+  ``kind`` is the cache class name, e.g. ``AttentionCache``.
+  """
+
+  index: int
+  kind: str
+  arrays: tuple[ArrayEntry, ...]
+
+  @property
+  def nbytes(self) -> int:
+    return sum(a.nbytes for a in self.arrays)
+
+  @property
+  def logical_nbytes(self) -> int:
+    return sum(a.logical_nbytes for a in self.arrays)
+
+  def chunks(self) -> Iterator[tuple[ArrayEntry, ChunkEntry]]:
+    for array in self.arrays:
+      for chunk in array.chunks:
+        yield array, chunk
+
+  def array(self, name: str) -> ArrayEntry:
+    for a in self.arrays:
+      if a.name == name:
+        return a
+    raise KeyError(f"layer {self.index} has no array {name!r}")
+
+  def to_dict(self) -> dict:
+    return {"index": self.index, "kind": self.kind,
+            "arrays": [a.to_dict() for a in self.arrays]}
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "LayerEntry":
+    return cls(index=int(d["index"]), kind=str(d["kind"]),
+               arrays=tuple(ArrayEntry.from_dict(a) for a in d["arrays"]))
+
+  @classmethod
+  def from_json(cls, s: str | bytes) -> "LayerEntry":
+    return cls.from_dict(json.loads(s))
+
+
+@dataclasses.dataclass(frozen=True)
+class StateManifest:
+  """Everything a reader needs to verify and restore one serialized state.
+
+  Attributes:
+    model_id: the model's registry name.
+    config_fingerprint: ``ModelConfig.fingerprint()``; a reader refuses any
+      other.
+    token_count: live tokens (max of ``lengths``); attention caches hold only
+      these positions.
+    batch: requests in the state.
+    codec: the options it was encoded with.
+    layers: one entry per layer, in layer order.
+    state_arrays: arrays outside ``layers`` (e.g. ``lengths``), index -1.
+  """
+
+  model_id: str
+  config_fingerprint: str
+  token_count: int
+  batch: int
+  codec: CodecOptions
+  layers: tuple[LayerEntry, ...]
+  state_arrays: LayerEntry
+  format: str = FORMAT
+  version: int = FORMAT_VERSION
+
+  @property
+  def layer_kinds(self) -> tuple[str, ...]:
+    return tuple(layer.kind for layer in self.layers)
+
+  @property
+  def groups(self) -> tuple[LayerEntry, ...]:
+    """Layers followed by the state-level arrays."""
+    return self.layers + (self.state_arrays,)
+
+  @property
+  def nbytes(self) -> int:
+    """Serialized bytes: every stored object, metadata included (not the manifest)."""
+    return sum(g.nbytes for g in self.groups)
+
+  @property
+  def logical_nbytes(self) -> int:
+    """Bytes of the live state in its own dtypes (trimmed, unquantized)."""
+    return sum(g.logical_nbytes for g in self.groups)
+
+  @property
+  def num_chunks(self) -> int:
+    return sum(len(a.chunks) for g in self.groups for a in g.arrays)
+
+  def group(self, index: int) -> LayerEntry:
+    return self.state_arrays if index == GLOBAL_LAYER_INDEX else self.layers[index]
+
+  def chunk_index(self) -> dict[str, tuple[LayerEntry, ArrayEntry, ChunkEntry]]:
+    """Every stored object by key, with the layer and array it belongs to."""
+    out = {}
+    for g in self.groups:
+      for array, chunk in g.chunks():
+        out[chunk.key] = (g, array, chunk)
+    return out
+
+  def to_dict(self) -> dict:
+    return {
+        "format": self.format, "version": self.version, "model_id": self.model_id,
+        "config_fingerprint": self.config_fingerprint, "token_count": self.token_count,
+        "batch": self.batch, "codec": self.codec.to_dict(),
+        "layers": [layer.to_dict() for layer in self.layers],
+        "state_arrays": self.state_arrays.to_dict(),
+    }
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "StateManifest":
+    if d.get("format") != FORMAT:
+      raise ValueError(f"not a paas-jax state manifest (format={d.get('format')!r})")
+    if int(d.get("version", -1)) != FORMAT_VERSION:
+      raise ValueError(f"unsupported state manifest version {d.get('version')!r}; "
+                       f"this reader understands {FORMAT_VERSION}")
+    layers = tuple(LayerEntry.from_dict(x) for x in d["layers"])
+    for i, layer in enumerate(layers):
+      if layer.index != i:
+        raise ValueError(f"manifest layer {i} carries index {layer.index}")
+    return cls(model_id=str(d["model_id"]), config_fingerprint=str(d["config_fingerprint"]),
+               token_count=int(d["token_count"]), batch=int(d["batch"]),
+               codec=CodecOptions.from_dict(d["codec"]), layers=layers,
+               state_arrays=LayerEntry.from_dict(d["state_arrays"]))
+
+  @classmethod
+  def from_json(cls, s: str | bytes) -> "StateManifest":
+    return cls.from_dict(json.loads(s))
+
+
+def merge_manifests(parts: list[StateManifest]) -> StateManifest:
+  """Merges the partial manifests that the processes of one sharded write produced.
+
+  Every part describes the same arrays; each lists the objects its process
+  wrote (``zarr.json`` by all of them). The merge is their union; an object
+  listed by two processes with different content is an error.
+  """
+  if not parts:
+    raise ValueError("no partial manifests to merge")
+  first = parts[0]
+  header = lambda m: (m.model_id, m.config_fingerprint, m.token_count, m.batch, m.codec,
+                      len(m.layers))
+  for m in parts[1:]:
+    if header(m) != header(first):
+      raise ValueError("partial manifests describe different states")
+
+  def merge_group(groups: list[LayerEntry]) -> LayerEntry:
+    arrays = []
+    for i, array in enumerate(groups[0].arrays):
+      chunks: dict[str, ChunkEntry] = {}
+      for g in groups:
+        other = g.arrays[i]
+        if dataclasses.replace(other, chunks=()) != dataclasses.replace(array, chunks=()):
+          raise ValueError(f"partial manifests disagree on array {array.name!r}")
+        for c in other.chunks:
+          if c.key in chunks and chunks[c.key] != c:
+            raise ValueError(f"object {c.key!r} was written with different content by "
+                             "two processes")
+          chunks[c.key] = c
+      arrays.append(dataclasses.replace(array, chunks=tuple(sorted(
+          chunks.values(), key=lambda c: c.key))))
+    return dataclasses.replace(groups[0], arrays=tuple(arrays))
+
+  layers = tuple(merge_group([m.layers[i] for m in parts]) for i in range(len(first.layers)))
+  return dataclasses.replace(first, layers=layers,
+                             state_arrays=merge_group([m.state_arrays for m in parts]))

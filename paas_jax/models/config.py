@@ -161,11 +161,15 @@ class MoEConfig:
   Shared experts: ``d_shared`` is their hidden width (0: ``d_expert *
   n_shared_experts``); ``shared_gate`` scales their output by a per-token
   sigmoid gate (Qwen3-Next).
+
+  ``router_in_fp32`` keeps the router weight in f32 and computes its logits in
+  f32 whatever the model dtype (Kimi Linear and Nemotron-H do; with bf16
+  logits near-ties flip expert choices).
   """
 
   _ADDED_FIELDS: ClassVar[tuple[str, ...]] = (
       "score_correction_bias", "n_groups", "top_k_groups", "routed_scale", "d_shared",
-      "shared_gate")
+      "shared_gate", "router_in_fp32")
 
   n_experts: int
   top_k: int
@@ -179,6 +183,7 @@ class MoEConfig:
   routed_scale: float = 1.0
   d_shared: int = 0
   shared_gate: bool = False
+  router_in_fp32: bool = False
 
   @property
   def shared_width(self) -> int:

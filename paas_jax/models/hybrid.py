@@ -53,16 +53,21 @@ class Block(nnx.Module):
     self.ffn_norm = make_norm(config.d_model, config) if ffn_kind != "-" else None
     self.ffn = make_ffn(ffn_kind, config, rngs)
 
-  def _feed_forward(self, x):
+  def feed_forward(self, x):
+    """The block's second half, ``x + ffn(norm(x))``; ``x`` itself when mixer-only.
+
+    Code that runs the mixer by other means (the serving engine's paged decode)
+    finishes the block with this.
+    """
     return x if self.ffn is None else x + self.ffn(self.ffn_norm(x))
 
   def prefill(self, x, cache, chunk: Chunk):
     h, cache = self.mixer.prefill(self.mixer_norm(x), cache, chunk)
-    return self._feed_forward(x + h), cache
+    return self.feed_forward(x + h), cache
 
   def step(self, x, cache, lengths):
     h, cache = self.mixer.step(self.mixer_norm(x), cache, lengths)
-    return self._feed_forward(x + h), cache
+    return self.feed_forward(x + h), cache
 
 
 class HybridLM(nnx.Module):

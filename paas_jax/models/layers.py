@@ -132,7 +132,15 @@ class MoE(nnx.Module):
     self.moe = moe
     d, e, f = config.d_model, moe.n_experts, moe.d_expert
     init = nnx.initializers.normal(stddev=d ** -0.5)
-    self.router = dense(d, e, config, rngs)
+    if moe.router_in_fp32:
+      # Expert choice is discontinuous in the router logits; DeepSeek-V3-style
+      # models keep the router weight and its matmul in f32 for that reason.
+      self.router = nnx.Linear(d, e, use_bias=False, dtype=jnp.float32,
+                               param_dtype=jnp.float32,
+                               kernel_init=nnx.initializers.normal(stddev=d ** -0.5),
+                               rngs=rngs)
+    else:
+      self.router = dense(d, e, config, rngs)
     self.w_gate = (nnx.Param(init(rngs.params(), (e, d, f), config.weight_dtype))
                    if config.ffn_activation == "swiglu" else None)
     self.w_up = nnx.Param(init(rngs.params(), (e, d, f), config.weight_dtype))
@@ -160,7 +168,7 @@ class MoE(nnx.Module):
   def routing_weights(self, x: jax.Array) -> jax.Array:
     """Dense routing weights [..., n_experts], zero outside each token's top-k."""
     moe = self.moe
-    logits = self.router(x).astype(jnp.float32)
+    logits = self.router(x).astype(jnp.float32)  # an f32 router casts x itself
     scores = (jax.nn.softmax(logits, axis=-1) if moe.router == "softmax"
               else jax.nn.sigmoid(logits))
     choice = scores if self.score_bias is None else scores + self.score_bias[...]

@@ -65,6 +65,15 @@ def _contiguous_pages(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return pages, table
 
 
+def _write_pages(page_table: jax.Array, lengths: jax.Array, pages_shape) -> jax.Array:
+  """Page that receives each request's next token; ``num_pages`` (dropped) when
+  the request has run out of pages."""
+  index = lengths // pages_shape[1]
+  rows = jnp.arange(lengths.shape[0])
+  page = page_table[rows, jnp.minimum(index, page_table.shape[1] - 1)]
+  return jnp.where(index < page_table.shape[1], page, pages_shape[0])
+
+
 def _write_tokens(cache_array: jax.Array, values: jax.Array, chunk: Chunk) -> jax.Array:
   """Scatters chunk values [batch, seq, ...] to their positions; padding is dropped."""
   capacity = cache_array.shape[1]
@@ -174,16 +183,16 @@ class Attention(nnx.Module):
 
   def step(self, x: jax.Array, cache, lengths: jax.Array):
     """x [b, d]; the new token of request i sits at position ``lengths[i]``."""
+    if self.window is None:
+      k_pages, table = _contiguous_pages(cache.k)
+      v_pages, _ = _contiguous_pages(cache.v)
+      out, k_pages, v_pages = self.paged_step(x, k_pages, v_pages, lengths, table,
+                                              _write_pages(table, lengths, k_pages.shape))
+      return out, AttentionCache(k=k_pages.reshape(cache.k.shape),
+                                 v=v_pages.reshape(cache.v.shape))
     positions = lengths[:, None]
     q, k, v, gate = self._project(x[:, None], positions)
     rows = jnp.arange(x.shape[0])
-    if self.window is None:
-      k_all = cache.k.at[rows, lengths].set(k[:, 0].astype(cache.k.dtype), mode="drop")
-      v_all = cache.v.at[rows, lengths].set(v[:, 0].astype(cache.v.dtype), mode="drop")
-      k_pages, table = _contiguous_pages(k_all)
-      v_pages, _ = _contiguous_pages(v_all)
-      o = paged_attention(q, k_pages, v_pages, lengths + 1, table)
-      return self._output(o, gate)[:, 0], AttentionCache(k=k_all, v=v_all)
     slot = jnp.mod(lengths, self.window)
     new_k = cache.k.at[rows, slot].set(k[:, 0].astype(cache.k.dtype))
     new_v = cache.v.at[rows, slot].set(v[:, 0].astype(cache.v.dtype))
@@ -191,6 +200,26 @@ class Attention(nnx.Module):
     o = flash_attention(q, new_k, new_v, q_positions=positions, kv_positions=kv_pos,
                         window=self.window)
     return self._output(o, gate)[:, 0], SlidingWindowCache(k=new_k, v=new_v)
+
+  def paged_step(self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                 lengths: jax.Array, page_table: jax.Array, write_page: jax.Array):
+    """One decode token of full attention against a paged KV pool.
+
+    Args:
+      x: [b, d]; the new token of request i sits at position ``lengths[i]``.
+      k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim].
+      page_table: int32 [b, max_pages].
+      write_page: int32 [b], page receiving the new token (out of range: dropped).
+
+    Returns:
+      (output [b, d], k_pages, v_pages with the new token written).
+    """
+    q, k, v, gate = self._project(x[:, None], lengths[:, None])
+    offset = lengths % k_pages.shape[1]
+    k_pages = k_pages.at[write_page, offset].set(k[:, 0].astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[write_page, offset].set(v[:, 0].astype(v_pages.dtype), mode="drop")
+    o = paged_attention(q, k_pages, v_pages, lengths + 1, page_table)
+    return self._output(o, gate)[:, 0], k_pages, v_pages
 
 
 class MLAttention(nnx.Module):
@@ -268,20 +297,39 @@ class MLAttention(nnx.Module):
     return out, MLACache(latent=latent_all, k_rope=rope_all)
 
   def step(self, x: jax.Array, cache: MLACache, lengths: jax.Array):
+    latent_pages, table = _contiguous_pages(cache.latent)
+    rope_pages, _ = _contiguous_pages(cache.k_rope)
+    out, latent_pages, rope_pages = self.paged_step(
+        x, latent_pages, rope_pages, lengths, table,
+        _write_pages(table, lengths, latent_pages.shape))
+    return out, MLACache(latent=latent_pages.reshape(cache.latent.shape),
+                         k_rope=rope_pages.reshape(cache.k_rope.shape))
+
+  def paged_step(self, x: jax.Array, latent_pages: jax.Array, rope_pages: jax.Array,
+                 lengths: jax.Array, page_table: jax.Array, write_page: jax.Array):
+    """One decode token in absorbed form against a paged latent pool.
+
+    Args:
+      x: [b, d]; the new token of request i sits at position ``lengths[i]``.
+      latent_pages: [num_pages, page_size, kv_lora_rank]; rope_pages:
+        [num_pages, page_size, qk_rope_head_dim].
+      page_table: int32 [b, max_pages].
+      write_page: int32 [b], page receiving the new token (out of range: dropped).
+
+    Returns:
+      (output [b, d], latent_pages, rope_pages with the new token written).
+    """
     positions = lengths[:, None]
     q_nope, q_rope = self._queries(x[:, None], positions)
     latent, k_rope = self._latent(x[:, None], positions)
-    rows = jnp.arange(x.shape[0])
-    latent_all = cache.latent.at[rows, lengths].set(
-        latent[:, 0].astype(cache.latent.dtype), mode="drop")
-    rope_all = cache.k_rope.at[rows, lengths].set(
-        k_rope[:, 0].astype(cache.k_rope.dtype), mode="drop")
+    offset = lengths % latent_pages.shape[1]
+    latent_pages = latent_pages.at[write_page, offset].set(
+        latent[:, 0].astype(latent_pages.dtype), mode="drop")
+    rope_pages = rope_pages.at[write_page, offset].set(
+        k_rope[:, 0].astype(rope_pages.dtype), mode="drop")
     w_uk, w_uv = self._kv_b_heads(x.dtype)
     q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
-    latent_pages, table = _contiguous_pages(latent_all)
-    rope_pages, _ = _contiguous_pages(rope_all)
     o_latent = paged_mla_attention(q_latent, q_rope, latent_pages, rope_pages,
-                                   lengths + 1, table, sm_scale=self.sm_scale)
+                                   lengths + 1, page_table, sm_scale=self.sm_scale)
     o = jnp.einsum("bthr,rhv->bthv", o_latent.astype(x.dtype), w_uv)
-    return self.o_proj(o.reshape(x.shape[0], -1)), MLACache(latent=latent_all,
-                                                             k_rope=rope_all)
+    return self.o_proj(o.reshape(x.shape[0], -1)), latent_pages, rope_pages

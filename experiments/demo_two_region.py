@@ -1,0 +1,372 @@
+r"""Two-region PrfaaS demo: prefill in region A, decode in region B, over a WAN link.
+
+  .venv/bin/python experiments/demo_two_region.py            # defaults just run
+  .venv/bin/python experiments/demo_two_region.py --num_requests=32 --bandwidth=20mbit \
+      --trace="0:50mbit,3:5mbit,6:50mbit" --netem=netns --json_out=runs/demo/report.json
+
+Starts, as separate OS processes, the prefill server (region A, PrfaaS), the
+decode server (region B: continuous-batching decode plus local PD-P
+prefill), the WAN relay between them (bandwidth, RTT, jitter, bandwidth over
+time; with --netem=netns region A also lives in its own network namespace
+with tbf shaping) and the broker. It then sends a workload whose prompt
+lengths follow the paper's truncated log-normal (mu=9.90, sigma=1.00 on
+[128, 128K]) scaled to the model's context; the broker routes each request by
+the selective-offloading rule (l > t: PrfaaS, else PD-P). Finally it checks
+every request's tokens against single-process ``api.generate`` with the same
+prompt, sampling settings and seed, and prints and writes a report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import sys
+import threading
+import time
+
+import numpy as np
+from absl import app, flags
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from paas_jax.netem import (BandwidthTrace, LinkSpec, describe,  # noqa: E402
+                            netns_available, parse_rate)
+from paas_jax.serving.launch import ClusterSpec, LocalCluster  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", "tiny_gdn_gqa", "Model config (random init, shared seed).")
+flags.DEFINE_integer("seed", 0, "Weight seed shared by every process; also the workload seed.")
+flags.DEFINE_integer("num_requests", 16, "Requests in the workload.")
+flags.DEFINE_integer("max_new_tokens", 32, "Tokens generated per request.")
+flags.DEFINE_float("rate", 6.0, "Poisson arrival rate (requests/s).")
+flags.DEFINE_integer("context", 1024, "Context per request (prompt + output), <= max_seq_len.")
+flags.DEFINE_float("threshold", -1.0, "Offload threshold t in tokens (-1: the paper's 19.4K "
+                   "scaled like the prompt lengths).")
+flags.DEFINE_float("length_mu", 9.90, "Log-normal mu of prompt lengths (paper, at 128K scale).")
+flags.DEFINE_float("length_sigma", 1.00, "Log-normal sigma.")
+flags.DEFINE_string("bandwidth", "50mbit", "Link bandwidth between the regions.")
+flags.DEFINE_string("trace", "0:50mbit,4:8mbit,6:50mbit,period=10",
+                    "Bandwidth over time ('t:rate,...[,period=s]', a .json, or '' for constant).")
+flags.DEFINE_float("rtt_ms", 20.0, "Link round-trip time.")
+flags.DEFINE_float("jitter_ms", 2.0, "Standard deviation of the one-way delay.")
+flags.DEFINE_enum("netem", "relay", ["relay", "netns", "auto"],
+                  "relay: userspace relay (anywhere); netns: region A in a network namespace "
+                  "with tbf shaping plus the relay for delay (root); auto: netns if possible.")
+flags.DEFINE_integer("n_slots", 8, "Decode slots in region B.")
+flags.DEFINE_integer("max_queue", 64, "Requests allowed to wait for a decode slot.")
+flags.DEFINE_list("prefill_buckets", ["64", "256"], "Prefill chunk buckets (largest = chunk).")
+flags.DEFINE_enum("codec", "raw", ["raw", "zstd", "blosc"], "State codec on the link.")
+flags.DEFINE_bool("reference", True, "Check tokens against single-process generation.")
+flags.DEFINE_string("json_out", "runs/demo/report.json", "Where to write the JSON report.")
+flags.DEFINE_string("workdir", "runs/demo", "Logs and readiness files of the processes.")
+flags.DEFINE_string("compilation_cache", None, "XLA compilation cache (default "
+                    "$PAAS_JAX_COMPILATION_CACHE or runs/.jax_cache; 'none': off).")
+flags.DEFINE_bool("progress", True, "Show progress bars.")
+
+PAPER_LO, PAPER_HI, PAPER_T = 128.0, 128.0 * 1024, 19.4 * 1024
+
+
+@dataclasses.dataclass
+class Req:
+  index: int
+  prompt: list[int]
+  temperature: float
+  top_k: int
+  top_p: float
+  seed: int
+  arrival_s: float
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  ttft_s: float = 0.0
+  tpot_s: float = 0.0
+  total_s: float = 0.0
+  summary: dict = dataclasses.field(default_factory=dict)
+  error: str = ""
+  reference: list[int] | None = None
+
+
+def make_workload(config, n: int, max_new: int, context: int, seed: int):
+  """Prompts whose lengths follow the paper's truncated log-normal, scaled so
+  that the paper's 128K maximum becomes ``context - max_new``."""
+  from paas_jax.scheduling import TruncatedLogNormal  # pylint: disable=g-import-not-at-top
+  hi = context - max_new
+  scale = hi / PAPER_HI
+  dist = TruncatedLogNormal(FLAGS.length_mu + math.log(scale), FLAGS.length_sigma,
+                            max(1.0, PAPER_LO * scale), float(hi))
+  rng = np.random.default_rng(seed)
+  lengths = np.clip(np.round(dist.sample(rng, n)), 1, hi).astype(int)
+  arrivals = np.cumsum(rng.exponential(1.0 / FLAGS.rate, n))
+  arrivals -= arrivals[0]
+  reqs = []
+  for i, length in enumerate(lengths):
+    greedy = i % 2 == 0
+    reqs.append(Req(index=i, prompt=rng.integers(0, config.vocab_size, int(length)).tolist(),
+                    temperature=0.0 if greedy else 0.8, top_k=0 if greedy else 40,
+                    top_p=1.0 if greedy else 0.95, seed=int(rng.integers(0, 2**31 - 1)),
+                    arrival_s=float(arrivals[i])))
+  return reqs, dist, scale
+
+
+def run_workload(address: str, reqs: list[Req], max_new: int, bar) -> float:
+  from paas_jax.client import BrokerClient, GenerationError  # pylint: disable=g-import-not-at-top
+  client = BrokerClient(address, timeout_s=300)
+  lock = threading.Lock()
+
+  def one(r: Req):
+    try:
+      out = client.generate(prompt_ids=r.prompt, max_new_tokens=max_new,
+                            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                            seed=r.seed, request_id=f"demo-{r.index:03d}")
+      r.tokens, r.ttft_s, r.tpot_s, r.total_s = out.tokens, out.ttft_s, out.tpot_s, out.total_s
+      r.summary = out.summary
+    except GenerationError as e:
+      r.error = str(e)
+    with lock:
+      if bar is not None:
+        bar.update(1)
+        bar.set_postfix_str(f"last: {r.summary.get('route', 'error')} "
+                            f"ttft {r.ttft_s * 1e3:.0f} ms")
+
+  t0 = time.perf_counter()
+  threads = []
+  for r in reqs:
+    delay = r.arrival_s - (time.perf_counter() - t0)
+    if delay > 0:
+      time.sleep(delay)
+    t = threading.Thread(target=one, args=(r,), daemon=True)
+    t.start()
+    threads.append(t)
+  for t in threads:
+    t.join()
+  wall = time.perf_counter() - t0
+  client.close()
+  return wall
+
+
+def compute_reference(reqs: list[Req], max_new: int, bar) -> None:
+  from paas_jax.models import api  # pylint: disable=g-import-not-at-top
+  from paas_jax.serving import common  # pylint: disable=g-import-not-at-top
+  common.enable_compilation_cache(FLAGS.compilation_cache or common.default_compilation_cache())
+  model, _ = common.load_model(FLAGS.config, FLAGS.seed)
+  for r in reqs:
+    r.reference = api.generate(model, r.prompt, max_new,
+                               sampling=api.SamplingParams(r.temperature, r.top_k, r.top_p),
+                               seed=r.seed).tokens
+    if bar is not None:
+      bar.update(1)
+
+
+def _stats(xs):
+  xs = [x for x in xs if x is not None]
+  if not xs:
+    return None
+  a = np.asarray(xs, float)
+  return {"n": len(xs), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+          "p90": float(np.percentile(a, 90)), "max": float(a.max())}
+
+
+def link_report(stats: dict | None, spec: LinkSpec) -> dict:
+  if not stats:
+    return {}
+  out = {"spec": describe(spec)}
+  for name in ("a_to_b", "b_to_a"):
+    d = stats.get(name, {})
+    out[name] = {k: d.get(k) for k in ("bytes", "busy_s", "active_span_s", "utilization",
+                                       "mean_rate_bps")}
+  d = stats.get("a_to_b", {})
+  bucket = d.get("timeline_bucket_s", 0.1)
+  timeline = {int(k): v for k, v in d.get("timeline_bytes", {}).items()}
+  if timeline:
+    trace = spec.effective_trace
+    per_s = {}
+    for b, v in timeline.items():
+      per_s.setdefault(int(b * bucket), 0)
+      per_s[int(b * bucket)] += v
+    out["a_to_b_per_second"] = [
+        {"t_s": t, "bytes": v,
+         "capacity_bytes": None if trace is None else trace.rate_at(t) / 8.0,
+         "utilization": None if trace is None else v / max(trace.rate_at(t) / 8.0, 1e-9)}
+        for t, v in sorted(per_s.items())]
+  return out
+
+
+def _server_stats(address: str, stub_name: str) -> dict:
+  import grpc  # pylint: disable=g-import-not-at-top
+  from paas_jax.proto import serving_pb2, serving_pb2_grpc  # pylint: disable=g-import-not-at-top
+  try:
+    with grpc.insecure_channel(address) as ch:
+      stub = getattr(serving_pb2_grpc, stub_name)(ch)
+      return dict(stub.GetStats(serving_pb2.StatsRequest(), timeout=10).gauges)
+  except grpc.RpcError as e:
+    return {"error": str(e.code())}
+
+
+def main(argv):
+  del argv
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  logging.set_verbosity(logging.WARNING)
+  os.chdir(REPO)
+  from paas_jax.models import load_config  # pylint: disable=g-import-not-at-top
+  try:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    tqdm = None
+  progress = FLAGS.progress and tqdm is not None
+  t_start = time.perf_counter()
+  config = load_config(FLAGS.config)
+  context = min(FLAGS.context, config.max_seq_len)
+  max_new = FLAGS.max_new_tokens
+  if not 0 < max_new < context:
+    raise app.UsageError(f"--max_new_tokens must be in (0, {context})")
+  reqs, dist, scale = make_workload(config, FLAGS.num_requests, max_new, context, FLAGS.seed)
+  threshold = FLAGS.threshold if FLAGS.threshold >= 0 else round(PAPER_T * scale)
+  trace = BandwidthTrace.parse(FLAGS.trace) if FLAGS.trace else None
+  link = LinkSpec(bandwidth_bps=parse_rate(FLAGS.bandwidth), rtt_s=FLAGS.rtt_ms / 1e3,
+                  jitter_s=FLAGS.jitter_ms / 1e3, trace=trace, seed=FLAGS.seed)
+  netem = FLAGS.netem
+  if netem != "relay":
+    ok, why = netns_available()
+    if not ok:
+      if netem == "netns":
+        raise app.UsageError(f"--netem=netns is not possible here: {why}")
+      print(f"netns shaping unavailable ({why}); using the userspace relay")
+      netem = "relay"
+    elif netem == "auto":
+      netem = "netns"
+  buckets = tuple(int(b) for b in FLAGS.prefill_buckets)
+  spec = ClusterSpec(config=FLAGS.config, seed=FLAGS.seed, n_slots=FLAGS.n_slots,
+                     max_ctx=context, max_queue=FLAGS.max_queue, prefill_buckets=buckets,
+                     threshold=threshold, link=link, netem=netem,
+                     codec_compression=FLAGS.codec,
+                     compilation_cache=FLAGS.compilation_cache)
+  lengths = [len(r.prompt) for r in reqs]
+  print(f"model      : {config.name} (random init, seed {FLAGS.seed}), context {context}")
+  print(f"workload   : {len(reqs)} requests, Poisson {FLAGS.rate:g}/s, {max_new} new tokens; "
+        f"prompt lengths ~ truncated log-normal(mu={dist.mu:.2f}, sigma={dist.sigma:g}) on "
+        f"[{dist.lo:.0f}, {dist.hi:.0f}] (paper x{scale:.5f}); sampled: median "
+        f"{int(np.median(lengths))}, max {max(lengths)}")
+  print(f"routing    : static threshold t={threshold:g} tokens (l > t -> PrfaaS region A); "
+        f"{sum(l > threshold for l in lengths)} of {len(reqs)} go remote")
+  print(f"link A<->B : {describe(link)} via {netem}")
+  print("starting   : region A (prefill), region B (decode + PD-P), WAN relay, broker "
+        "(first run compiles the engines; later runs load them from the cache) ...")
+  cluster = LocalCluster(spec, FLAGS.workdir)
+  bar = tqdm(desc="warm-up", bar_format="{desc}: {elapsed}", leave=False) if progress else None
+  try:
+    cluster.start(on_tick=(lambda: bar.refresh()) if bar is not None else None)
+  finally:
+    if bar is not None:
+      bar.close()
+  startup = {name: p.info.get("startup_s") for name, p in cluster.procs.items()}
+  print(f"ready      : broker {cluster.broker_address} after "
+        f"{cluster.timings['cluster_ready_s']:.1f} s (process start-up incl. compile: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in startup.items() if v) + ")")
+  try:
+    bar = tqdm(total=len(reqs), desc="requests", unit="req") if progress else None
+    wall = run_workload(cluster.broker_address, reqs, max_new, bar)
+    if bar is not None:
+      bar.close()
+    from paas_jax.client import BrokerClient  # pylint: disable=g-import-not-at-top
+    with BrokerClient(cluster.broker_address) as c:
+      broker_stats = c.stats()
+    decode_stats = _server_stats(cluster.decode_address, "DecodeStub")
+    prefill_stats = _server_stats(
+        f"{cluster.netns.a_ip if cluster.netns else '127.0.0.1'}:"
+        f"{cluster.procs['prefill'].info['port']}", "PrefillStub")
+  finally:
+    cluster.stop()
+  relay = cluster.relay_stats()
+
+  if FLAGS.reference:
+    bar = tqdm(total=len(reqs), desc="reference", unit="req") if progress else None
+    compute_reference(reqs, max_new, bar)
+    if bar is not None:
+      bar.close()
+
+  rows = []
+  for r in reqs:
+    s = r.summary
+    rows.append({
+        "request": r.index, "prompt_tokens": len(r.prompt), "route": s.get("route", ""),
+        "temperature": r.temperature, "seed": r.seed, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
+        "total_s": r.total_s, "link_bytes": int(s.get("link_bytes", 0)),
+        "state_bytes": int(s.get("state_bytes", 0)),
+        "transfer_s": float(s.get("transfer_s", 0.0)),
+        "prefill_s": float(s.get("prefill_s", 0.0)),
+        "decode_queue_s": float(s.get("decode_queue_s", 0.0)),
+        "tokens": r.tokens, "error": r.error,
+        "matches_reference": None if r.reference is None else r.tokens == r.reference})
+  ok = [r for r in rows if not r["error"]]
+  by_route = {}
+  for route in ("pdp", "prfaas"):
+    sel = [r for r in ok if r["route"] == route]
+    by_route[route] = {"requests": len(sel),
+                       "ttft_s": _stats([r["ttft_s"] for r in sel]),
+                       "tpot_s": _stats([r["tpot_s"] for r in sel]),
+                       "link_bytes": int(sum(r["link_bytes"] for r in sel))}
+  matches = [r["matches_reference"] for r in rows]
+  all_match = bool(FLAGS.reference and all(m is True for m in matches) and
+                   len(ok) == len(rows))
+  report = {
+      "model": config.name, "seed": FLAGS.seed, "context": context,
+      "num_requests": len(reqs), "max_new_tokens": max_new, "threshold_tokens": threshold,
+      "length_distribution": {"mu": dist.mu, "sigma": dist.sigma, "lo": dist.lo,
+                              "hi": dist.hi, "paper_scale": scale},
+      "netem": netem, "link": link.to_dict(),
+      "errors": len(rows) - len(ok),
+      "workload_wall_s": wall,
+      "throughput_tokens_per_s": sum(len(r["tokens"]) for r in ok) / wall if wall else None,
+      "ttft_s": _stats([r["ttft_s"] for r in ok]), "tpot_s": _stats([r["tpot_s"] for r in ok]),
+      "routes": by_route,
+      "link_utilization": link_report(relay, link),
+      "startup_s": cluster.timings, "process_startup_s": startup,
+      "broker": {k: v for k, v in broker_stats.items() if k not in ("recent", "inflight")},
+      "decode_server": decode_stats, "prefill_server": prefill_stats,
+      "all_tokens_match_reference": all_match if FLAGS.reference else None,
+      "requests": rows,
+      "total_wall_s": time.perf_counter() - t_start,
+  }
+  out = pathlib.Path(FLAGS.json_out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(report, indent=1))
+
+  print()
+  print(f"{'req':>3} {'prompt':>6} {'route':>6} {'TTFT ms':>8} {'TPOT ms':>8} "
+        f"{'link KiB':>8} {'xfer ms':>7} {'match':>5}")
+  for r in rows:
+    m = {True: "yes", False: "NO", None: "-"}[r["matches_reference"]]
+    if r["error"]:
+      print(f"{r['request']:>3} {r['prompt_tokens']:>6} error: {r['error']}")
+      continue
+    print(f"{r['request']:>3} {r['prompt_tokens']:>6} {r['route']:>6} "
+          f"{r['ttft_s'] * 1e3:8.1f} {r['tpot_s'] * 1e3:8.2f} {r['link_bytes'] / 1024:8.1f} "
+          f"{r['transfer_s'] * 1e3:7.1f} {m:>5}")
+  print()
+  for route, name in (("pdp", "PD-P (local)"), ("prfaas", "PrfaaS (remote)")):
+    b = by_route[route]
+    if b["requests"]:
+      print(f"{name:16}: {b['requests']:3d} requests, TTFT mean {b['ttft_s']['mean'] * 1e3:.0f} "
+            f"ms p90 {b['ttft_s']['p90'] * 1e3:.0f} ms, TPOT mean "
+            f"{b['tpot_s']['mean'] * 1e3:.2f} ms, link {b['link_bytes'] / 1024:.1f} KiB")
+  lu = report["link_utilization"].get("a_to_b", {})
+  if lu:
+    util = lu.get("utilization")
+    print(f"link A->B        : {lu.get('bytes', 0) / 1024:.1f} KiB on the wire, "
+          f"utilization over its active span {'n/a' if util is None else f'{100 * util:.1f}%'}"
+          + (f", busy {lu['busy_s']:.2f} s" if netem == "relay" and lu.get("busy_s") else ""))
+  print(f"throughput       : {report['throughput_tokens_per_s']:.1f} tokens/s over "
+        f"{wall:.1f} s; errors: {report['errors']}")
+  if "mean_step_ms" in decode_stats:
+    print(f"decode pool      : {decode_stats['steps']:.0f} steps, mean "
+          f"{decode_stats['mean_step_ms']:.2f} ms/step, mean batch "
+          f"{decode_stats['mean_batch']:.2f} of {decode_stats['slots_total']:.0f} slots")
+  print(f"all_tokens_match_reference: {json.dumps(report['all_tokens_match_reference'])}")
+  print(f"report           : {out}  (total {report['total_wall_s']:.1f} s)")
+  return 0 if (all_match or not FLAGS.reference) and not report["errors"] else 1
+
+
+if __name__ == "__main__":
+  app.run(main)

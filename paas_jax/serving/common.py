@@ -1,0 +1,214 @@
+"""Plumbing shared by the serving processes: gRPC servers and channels, health,
+status codes, model loading, the JAX compilation cache and readiness files."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import signal
+import threading
+import time
+from concurrent import futures
+from typing import Callable, Iterable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger("paas_jax.serving")
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+# Control messages are small; state moves through paas_jax.transport, which
+# sets its own limits. 64 MiB leaves room for very long prompts in one request.
+MAX_MESSAGE_BYTES = 64 << 20
+# Default deadline of a whole generation when the caller gave none.
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+# Deadline of small unary control RPCs (Handoff, GetStats, health).
+CONTROL_TIMEOUT_S = 10.0
+
+
+def message_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+  return [("grpc.max_send_message_length", max_message_bytes),
+          ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+def make_channel(target: str, credentials: grpc.ChannelCredentials | None = None
+                 ) -> grpc.Channel:
+  options = message_options() + [
+      # Broker <-> region links stay open for the life of the process.
+      ("grpc.keepalive_time_ms", 30_000),
+      ("grpc.keepalive_permit_without_calls", 1),
+  ]
+  if credentials is None:
+    return grpc.insecure_channel(target, options=options)
+  return grpc.secure_channel(target, credentials, options=options)
+
+
+@dataclasses.dataclass
+class RunningServer:
+  """A started gRPC server with its health servicer."""
+
+  server: grpc.Server
+  port: int
+  address: str
+  health: health.HealthServicer
+
+  def set_serving(self, services: Iterable[str], serving: bool = True) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in list(services) + [""]:
+      self.health.set(name, status)
+
+  def stop(self, grace: float | None = 1.0) -> None:
+    self.health.enter_graceful_shutdown()
+    self.server.stop(grace).wait()
+
+
+def start_server(address: str, register: Callable[[grpc.Server], None], *,
+                 credentials: grpc.ServerCredentials | None = None, max_workers: int = 64,
+                 services: Sequence[str] = (),
+                 interceptors: Sequence[grpc.ServerInterceptor] = ()) -> RunningServer:
+  """Starts a sync gRPC server on ``address`` (port 0 picks one), NOT_SERVING until
+  ``set_serving`` is called (e.g. after warm-up)."""
+  # Each streaming RPC holds a worker thread; past max_workers concurrent RPCs a
+  # caller gets RESOURCE_EXHAUSTED at once instead of waiting for a thread.
+  server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                       options=message_options(), maximum_concurrent_rpcs=max_workers,
+                       interceptors=list(interceptors))
+  register(server)
+  health_servicer = health.HealthServicer()
+  health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+  for name in list(services) + [""]:
+    health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+  if credentials is None:
+    port = server.add_insecure_port(address)
+  else:
+    port = server.add_secure_port(address, credentials)
+  if port == 0:
+    raise OSError(f"could not bind a gRPC server to {address}")
+  server.start()
+  host = address.rsplit(":", 1)[0]
+  return RunningServer(server=server, port=port, address=f"{host}:{port}",
+                       health=health_servicer)
+
+
+def wait_healthy(target: str, timeout_s: float, service: str = "",
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+  """Blocks until ``target`` reports SERVING; raises TimeoutError otherwise."""
+  deadline = time.monotonic() + timeout_s
+  channel = make_channel(target, credentials)
+  stub = health_pb2_grpc.HealthStub(channel)
+  last = "no answer"
+  try:
+    while time.monotonic() < deadline:
+      try:
+        r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+        if r.status == health_pb2.HealthCheckResponse.SERVING:
+          return
+        last = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+      except grpc.RpcError as e:
+        last = f"{e.code().name}: {e.details()}"
+      time.sleep(0.1)
+  finally:
+    channel.close()
+  raise TimeoutError(f"{target} not SERVING after {timeout_s:.0f} s (last: {last})")
+
+
+def remaining_s(context: grpc.ServicerContext, default: float = DEFAULT_REQUEST_TIMEOUT_S
+                ) -> float:
+  """Seconds left of the caller's deadline (``default`` if it set none)."""
+  left = context.time_remaining()
+  if left is None or left > 1e8:
+    return default
+  return max(left, 0.0)
+
+
+def rpc_code(e: BaseException) -> grpc.StatusCode:
+  code = e.code() if isinstance(e, grpc.RpcError) and hasattr(e, "code") else None
+  return code or grpc.StatusCode.UNKNOWN
+
+
+def rpc_details(e: BaseException) -> str:
+  if isinstance(e, grpc.RpcError) and hasattr(e, "details"):
+    return e.details() or str(e)
+  return str(e)
+
+
+# -- process setup ------------------------------------------------------------------
+
+def setup_logging(level: str = "INFO") -> None:
+  logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                      format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def default_compilation_cache() -> str:
+  return (os.environ.get("PAAS_JAX_COMPILATION_CACHE")
+          or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+          or str(REPO_ROOT / "runs" / ".jax_cache"))
+
+
+def enable_compilation_cache(path: str | None) -> None:
+  """Persistent XLA compilation cache shared by all processes ("" or "none": off).
+
+  Compiling the tiny models takes seconds per shape on a small CPU; with the
+  cache, a restarted or second process with the same model loads them instead.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  if not path or path == "none":
+    return
+  pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def load_model(config_name: str, seed: int = 0, checkpoint: str | None = None):
+  """(Model, tokenizer or None): a checkpoint, or random init from ``seed``.
+
+  Random init is deterministic, so every process given the same config and
+  seed holds the same weights.
+  """
+  from paas_jax.models import api, load_config  # pylint: disable=g-import-not-at-top
+  if checkpoint:
+    from paas_jax.checkpoints import load_checkpoint  # pylint: disable=g-import-not-at-top
+    loaded = load_checkpoint(checkpoint)
+    if isinstance(loaded, tuple):
+      return loaded[0], loaded[1]
+    return loaded, None
+  return api.Model.create(load_config(config_name), seed=seed), None
+
+
+def write_ready_file(path: str | None, info: dict) -> None:
+  """Atomically writes ``info`` (ports, pid) as JSON: the parent's readiness signal."""
+  if not path:
+    return
+  p = pathlib.Path(path)
+  p.parent.mkdir(parents=True, exist_ok=True)
+  tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
+  tmp.write_text(json.dumps(info))
+  os.replace(tmp, p)
+
+
+def wait_for_termination(on_stop: Callable[[], None]) -> None:
+  """Blocks until SIGTERM/SIGINT, then runs ``on_stop``."""
+  stop = threading.Event()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: stop.set())
+  while not stop.wait(0.5):
+    pass
+  with contextlib.suppress(Exception):
+    on_stop()
+
+
+def load_server_credentials(cert: str | None, key: str | None,
+                            client_ca: str | None = None) -> grpc.ServerCredentials | None:
+  """TLS (mTLS with ``client_ca``) server credentials from PEM files, or None."""
+  if not cert:
+    return None
+  pair = [(pathlib.Path(key).read_bytes(), pathlib.Path(cert).read_bytes())]
+  root = pathlib.Path(client_ca).read_bytes() if client_ca else None
+  return grpc.ssl_server_credentials(pair, root_certificates=root,
+                                     require_client_auth=root is not None)

@@ -1,0 +1,321 @@
+"""The PD-region server: continuous-batching decode plus local prefill (PD-P).
+
+Two gRPC ports:
+
+* control (``Decode`` service, health, stats): the broker registers requests
+  here and reads their token streams;
+* transfer (``paas_jax.transport`` ``StateTransfer``): prefill servers of the
+  PrfaaS region stream states here (through the WAN link).
+
+  python -m paas_jax.serving.decode_server --port=50052 --transfer_port=50053 \
+      --config=tiny_gdn_gqa --seed=0 --n_slots=8
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+
+import grpc
+from absl import app, flags
+
+from paas_jax.proto import serving_pb2, serving_pb2_grpc
+from paas_jax.serving import cli, common
+from paas_jax.serving.batching import (DecodeJob, DecodeScheduler, PrefillBatcher, PrefillJob,
+                                       QueueFullError)
+from paas_jax.serving.engine import (DecodeEngine, EngineConfig, EngineError,
+                                     InvalidRequestError, PrefillEngine, PrefillInput,
+                                     RequestParams, make_sampling, validate_request)
+
+log = logging.getLogger("paas_jax.serving.decode")
+
+SERVICE = "paas_jax.serving.v1.Decode"
+
+
+def request_params(msg) -> RequestParams:
+  """``RequestParams`` from a request message with sampling/seed/max_new_tokens/stop_tokens."""
+  sampling = make_sampling(msg.sampling.temperature, msg.sampling.top_k, msg.sampling.top_p)
+  return RequestParams(sampling=sampling, seed=int(msg.seed),
+                       max_new_tokens=int(msg.max_new_tokens),
+                       stop_tokens=tuple(int(t) for t in msg.stop_tokens))
+
+
+class DecodeServicer(serving_pb2_grpc.DecodeServicer):
+  """Registers requests with the scheduler and streams their events."""
+
+  def __init__(self, model, engine_config: EngineConfig, *, max_queue: int = 64,
+               batch_window_s: float = 0.005, name: str = "decode", metrics=None):
+    from paas_jax.state import abstract_state, round_up  # pylint: disable=g-import-not-at-top
+    from paas_jax.transport import StateReceiver  # pylint: disable=g-import-not-at-top
+    self.model = model
+    self.config = model.config
+    self.name = name
+    self.engine = DecodeEngine(model, engine_config)
+    self.prefill_engine = PrefillEngine(model, engine_config)
+    self.batcher = PrefillBatcher(self.prefill_engine, batch_window_s, name="pdp")
+    self.scheduler = DecodeScheduler(self.engine, max_queue=max_queue,
+                                     on_local_prefill=self._local_prefill)
+    cfg = self.config
+    self.receiver = StateReceiver(
+        models={cfg.name: cfg.fingerprint()},
+        template=lambda info: (abstract_state(cfg, 1, round_up(max(info.token_count, 1))), None),
+        on_ready=self._on_state, on_failure=self._on_transfer_failure)
+    self.started = time.time()
+    self.transfers_in = 0
+    self.transfer_bytes_in = 0
+    self.metrics = metrics  # paas_jax.observability.ServingMetrics or None
+    if metrics is not None:
+      metrics.track_queue("decode_wait", lambda: self.scheduler.stats().get("waiting", 0),
+                          limit=max_queue)
+      metrics.track_queue("decode_slots_busy",
+                          lambda: self.scheduler.stats().get("slots_busy", 0),
+                          limit=engine_config.n_slots)
+      metrics.track_queue("pdp_prefill", lambda: self.batcher.queue_depth)
+      metrics.track_queue("transfer_bytes_reserved", lambda: self.receiver.bytes_in_use,
+                          limit=self.receiver.options.byte_budget)
+
+  # -- wiring ---------------------------------------------------------------------
+
+  def _local_prefill(self, job: DecodeJob) -> None:
+    submitted = time.perf_counter()
+
+    def on_done(out):
+      job.info["prefill_queue_s"] = max(0.0, out_started[0] - submitted)
+      self.scheduler.prefilled(job, out)
+
+    out_started = [submitted]
+    pjob = PrefillJob(
+        input=PrefillInput(job.request_id, job.prompt, job.params), on_done=on_done,
+        on_error=lambda e: self.scheduler.fail(job.request_id, grpc.StatusCode.INTERNAL,
+                                               f"local prefill failed: {e}"))
+    pjob.on_start = lambda: out_started.__setitem__(0, time.perf_counter())
+    job.info["_prefill_job"] = pjob
+    self.batcher.submit(pjob)
+
+  def _on_state(self, received) -> None:
+    rid = received.info.transfer_id
+    self.transfers_in += 1
+    self.transfer_bytes_in += received.manifest.nbytes
+    if self.metrics is not None:
+      self.metrics.link_transfers.labels("A->B", "received").inc()
+    if not self.scheduler.provide_state(rid, received.state,
+                                        {"state_bytes": received.manifest.nbytes}):
+      log.info("dropping the state of %s: the request is gone", rid)
+
+  def _on_transfer_failure(self, transfer_id: str, code, message: str) -> None:
+    if self.metrics is not None:
+      self.metrics.link_transfers.labels("A->B", "receive_failed").inc()
+    self.scheduler.fail(transfer_id, code, f"state transfer failed: {message}")
+
+  def stop(self) -> None:
+    self.batcher.stop()
+    self.scheduler.stop()
+    self.receiver.close()
+
+  def warmup(self) -> dict:
+    return {"decode_s": self.engine.warmup(), "prefill_s": self.prefill_engine.warmup()}
+
+  # -- RPCs -----------------------------------------------------------------------
+
+  def Decode(self, request, context):
+    try:
+      if request.model and request.model != self.config.name:
+        raise InvalidRequestError(f"unknown model {request.model!r}; this decode server "
+                                  f"serves {self.config.name!r}")
+      if not request.request_id or len(request.request_id) > 256:
+        raise InvalidRequestError("request_id is required (at most 256 characters)")
+      params = request_params(request)
+      if request.remote_prefill:
+        prompt_len = int(request.prompt_len) or len(request.prompt_ids)
+        prompt = tuple(request.prompt_ids) or (0,) * prompt_len
+        validate_request(self.config, prompt, params, self.engine.max_ctx)
+        job = DecodeJob(request.request_id, params, prompt_len, remote=True)
+      else:
+        prompt = tuple(int(t) for t in request.prompt_ids)
+        validate_request(self.config, prompt, params, self.engine.max_ctx)
+        job = DecodeJob(request.request_id, params, len(prompt), remote=False, prompt=prompt)
+      position = self.scheduler.submit(job)
+    except InvalidRequestError as e:
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    except QueueFullError as e:
+      if self.metrics is not None:
+        self.metrics.queue_rejections.labels("decode_wait").inc()
+      context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+    except EngineError as e:
+      context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    def on_rpc_done():
+      if not job.done:
+        self.scheduler.cancel(job.request_id)
+        pjob = job.info.get("_prefill_job")
+        if pjob is not None:
+          pjob.cancelled = True
+    context.add_callback(on_rpc_done)
+    yield serving_pb2.DecodeEvent(accepted=True, queue_position=position)
+    yield from self._stream(job, context)
+
+  def _stream(self, job: DecodeJob, context):
+    while True:
+      try:
+        ev = job.events.get(timeout=0.5)
+      except queue.Empty:
+        if not context.is_active():
+          return
+        continue
+      out = serving_pb2.DecodeEvent()
+      if ev.kind == "error":
+        context.abort(ev.code or grpc.StatusCode.INTERNAL, ev.reason)
+      if ev.kind == "slot":
+        info = ev.info
+        out.slot = int(info["slot"])
+        out.queue_s = float(info.get("queue_s", 0.0))
+        out.prefill_s = float(info.get("prefill_s", 0.0))
+        out.prefill_queue_s = float(info.get("prefill_queue_s", 0.0))
+        out.prefill_batch_size = int(info.get("prefill_batch_size", 0))
+        yield out
+        continue
+      tokens = list(ev.tokens) if ev.kind == "tokens" else []
+      finished = ev if ev.kind == "finished" else None
+      # Coalesce whatever else is already queued into the same message.
+      while finished is None:
+        try:
+          nxt = job.events.get_nowait()
+        except queue.Empty:
+          break
+        if nxt.kind == "tokens":
+          tokens.extend(nxt.tokens)
+        elif nxt.kind == "finished":
+          finished = nxt
+        else:
+          job.events.put(nxt)  # error/slot: handled on the next round
+          break
+      out.token_ids.extend(tokens)
+      if finished is not None:
+        out.finished = True
+        out.finish_reason = finished.reason
+      yield out
+      if finished is not None:
+        return
+
+  def Handoff(self, request, context):
+    if not request.request_id:
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+    if not 0 <= request.first_token < self.config.vocab_size:
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                    f"first_token {request.first_token} outside the vocabulary")
+    if not self.scheduler.provide_first_token(request.request_id, request.first_token):
+      context.abort(grpc.StatusCode.NOT_FOUND,
+                    f"request {request.request_id!r} is gone (cancelled or finished)")
+    return serving_pb2.HandoffResponse()
+
+  def GetStats(self, request, context):
+    s = self.scheduler.stats()
+    s.update(pdp_queue=self.batcher.queue_depth, pdp_batches=self.batcher.batches,
+             pdp_prompts=self.batcher.prompts, pdp_tokens=self.batcher.tokens,
+             pdp_busy_s=self.batcher.busy_s, transfers_in=self.transfers_in,
+             transfer_bytes_in=self.transfer_bytes_in,
+             receiver_bytes_in_use=self.receiver.bytes_in_use,
+             receiver_active_transfers=len(self.receiver.active_transfers()),
+             uptime_s=time.time() - self.started)
+    gauges = {k: float(v) for k, v in s.items()}
+    extra = {"model": self.config.name, "fingerprint": self.config.fingerprint(),
+             "config": self.config.to_dict(),
+             "max_ctx": self.engine.max_ctx, "page_size": self.engine.page_size}
+    return serving_pb2.StatsResponse(server=self.name, gauges=gauges, json=json.dumps(extra))
+
+
+class DecodeServer:
+  """A running decode server (control + transfer ports)."""
+
+  def __init__(self, servicer: DecodeServicer, control: common.RunningServer,
+               transfer_server):
+    self.servicer = servicer
+    self.control = control
+    self.transfer = transfer_server
+
+  @property
+  def address(self) -> str:
+    return self.control.address
+
+  @property
+  def transfer_address(self) -> str:
+    return self.transfer.address
+
+  def stop(self) -> None:
+    self.control.stop(0.5)
+    self.transfer.stop(0.5)
+    self.servicer.stop()
+
+
+def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
+          transfer_port: int = 0, max_queue: int = 64, batch_window_s: float = 0.005,
+          credentials: grpc.ServerCredentials | None = None, interceptors=(),
+          security=None, metrics=None, warmup: bool = True) -> DecodeServer:
+  """Starts the control and transfer ports.
+
+  ``security`` (a ``paas_jax.security.ServiceSecurity`` of role decode) gives
+  both ports mutual TLS and the decode peer rules (only brokers register
+  requests, only prefill servers push states) and overrides ``credentials``;
+  ``metrics`` (``paas_jax.observability.ServingMetrics``) records RPCs, queues
+  and transfers. Explicit ``interceptors`` run after those.
+  """
+  from paas_jax.security.hooks import server_interceptors  # pylint: disable=g-import-not-at-top
+  from paas_jax.transport import serve_receiver  # pylint: disable=g-import-not-at-top
+  servicer = DecodeServicer(model, engine_config, max_queue=max_queue,
+                            batch_window_s=batch_window_s, metrics=metrics)
+  if security is not None:
+    credentials = security.server_credentials()
+  stack = server_interceptors(security, metrics) + list(interceptors)
+  control = common.start_server(
+      f"{host}:{port}", lambda s: serving_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
+      credentials=credentials, services=[SERVICE],
+      interceptors=stack,
+      # Every registered request holds one Decode stream (and its thread); past
+      # that, admission control answers RESOURCE_EXHAUSTED before threads run out.
+      max_workers=engine_config.n_slots + max_queue + 32)
+  transfer = serve_receiver(servicer.receiver, f"{host}:{transfer_port}",
+                            credentials=credentials, interceptors=stack)
+  if warmup:
+    t = servicer.warmup()
+    log.info("decode server warm: %s", t)
+  control.set_serving([SERVICE])
+  return DecodeServer(servicer, control, transfer)
+
+
+# -- CLI ------------------------------------------------------------------------------
+
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  t0 = time.time()
+  model, security, metrics, metrics_port = cli.setup_process("decode")
+  engine_config = EngineConfig(
+      n_slots=FLAGS.n_slots, max_ctx=FLAGS.max_ctx, page_size=FLAGS.page_size,
+      num_pages=FLAGS.num_pages, prefill_buckets=tuple(int(b) for b in FLAGS.prefill_buckets),
+      prefill_max_batch=FLAGS.prefill_max_batch)
+  server = start(model, engine_config, host=FLAGS.host, port=FLAGS.port,
+                 transfer_port=FLAGS.transfer_port, max_queue=FLAGS.max_queue,
+                 batch_window_s=FLAGS.batch_window_ms / 1e3, security=security,
+                 metrics=metrics)
+  common.write_ready_file(FLAGS.ready_file, {
+      "pid": __import__("os").getpid(), "port": server.control.port,
+      "transfer_port": server.transfer.port, "model": model.config.name,
+      "metrics_port": metrics_port,
+      "startup_s": time.time() - t0})
+  log.info("decode server on %s (transfer %s), model %s", server.address,
+           server.transfer_address, model.config.name)
+  common.wait_for_termination(server.stop)
+
+
+if __name__ == "__main__":
+  cli.define_server_flags("decode")
+  flags.DEFINE_integer("transfer_port", 0, "StateTransfer port (0: pick a free one).")
+  flags.DEFINE_integer("n_slots", 8, "Decode slots.")
+  flags.DEFINE_integer("page_size", 16, "KV page size (positions).")
+  flags.DEFINE_integer("num_pages", 0, "KV pages (0: n_slots * max_ctx / page_size).")
+  flags.DEFINE_integer("max_queue", 64, "Requests allowed to wait for a slot.")
+  app.run(main)

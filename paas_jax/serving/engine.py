@@ -1,0 +1,622 @@
+"""The serving engines: batched chunked prefill and a continuous-batching decode pool.
+
+The boundary follows JetStream:
+
+* ``PrefillEngine.prefill(requests)`` turns prompts into per-request
+  ``DecodeState``s (batch 1) plus the first sampled token;
+* ``DecodeEngine.insert(prefix, slot)`` places one such state into a slot of
+  the decode pool;
+* ``DecodeEngine.generate()`` runs one decode step for every slot and returns
+  one sampled token per slot;
+* ``DecodeEngine.free(slot)`` releases the slot and its pages.
+
+The decode pool (``SlotPool``) keeps full-attention KV (``A``) and MLA latents
+(``M``) in a shared **page pool** addressed through per-slot page tables (read
+by ``pallas_kernels.paged_attention``), and keeps fixed-size state (sliding
+window ring buffers ``S``, recurrent states ``G``/``m``) in **slot-indexed**
+arrays. Everything is a pytree of fixed shape, so the decode step compiles
+once for the pool size.
+
+Token exactness: sampling is keyed by ``(seed, absolute position)`` with the
+same ``sample_tokens`` as ``api.generate``, so a request produces the tokens of
+single-process generation whatever batch it runs in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from paas_jax.models import api
+from paas_jax.models.config import ModelConfig
+from paas_jax.state import (CAPACITY_ALIGN, AttentionCache, DecodeState, MLACache, init_state,
+                            round_up)
+
+
+class EngineError(Exception):
+  """Base class of engine errors."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+  """The request can never be served (bad tokens, too long, bad sampling...)."""
+
+
+class PoolExhaustedError(EngineError):
+  """No slot or not enough pages right now (retry later or queue)."""
+
+
+# -- configuration ----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Sizes of the prefill and decode engines.
+
+  Attributes:
+    n_slots: decode slots (requests decoded together in one step).
+    max_ctx: longest context (prompt + generated) a slot holds; 0 means the
+      model's ``max_seq_len``. Rounded up to a whole number of pages.
+    page_size: positions per KV page.
+    num_pages: pages in the shared pool; 0 means enough for every slot to hold
+      ``max_ctx`` (no oversubscription). Smaller pools admit fewer long requests.
+    prefill_buckets: padded chunk lengths prefill compiles for (increasing
+      multiples of 64); the largest is the chunk length: longer prompts are
+      prefilled in several chunks.
+    prefill_max_batch: prompts prefilled together; batches are padded to this
+      many rows so that one compilation per bucket serves every batch.
+  """
+
+  n_slots: int = 8
+  max_ctx: int = 0
+  page_size: int = 16
+  num_pages: int = 0
+  prefill_buckets: tuple[int, ...] = (64, 256)
+  prefill_max_batch: int = 4
+
+  def __post_init__(self):
+    if self.n_slots < 1:
+      raise ValueError(f"EngineConfig.n_slots must be >= 1, got {self.n_slots}")
+    if self.page_size < 1:
+      raise ValueError(f"EngineConfig.page_size must be >= 1, got {self.page_size}")
+    b = tuple(self.prefill_buckets)
+    if not b or any(x < CAPACITY_ALIGN or x % CAPACITY_ALIGN for x in b) or list(b) != sorted(
+        set(b)):
+      raise ValueError(f"EngineConfig.prefill_buckets must be increasing multiples of "
+                       f"{CAPACITY_ALIGN}, got {b}")
+    if self.prefill_max_batch < 1:
+      raise ValueError("EngineConfig.prefill_max_batch must be >= 1")
+    if self.max_ctx < 0 or self.num_pages < 0:
+      raise ValueError("EngineConfig.max_ctx and num_pages must be >= 0")
+
+  @property
+  def prefill_chunk(self) -> int:
+    return self.prefill_buckets[-1]
+
+
+# -- requests ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+  """Per-request generation settings (what the decode engine needs to continue)."""
+
+  sampling: api.SamplingParams = api.SamplingParams()
+  seed: int = 0
+  max_new_tokens: int = 16
+  stop_tokens: tuple[int, ...] = ()
+
+
+MAX_SEED = 2**31 - 1
+
+
+def validate_request(config: ModelConfig, prompt: Sequence[int], params: RequestParams,
+                     max_ctx: int | None = None) -> None:
+  """Raises ``InvalidRequestError`` with a user-facing message if the request is bad."""
+  limit = config.max_seq_len if max_ctx is None else min(max_ctx, config.max_seq_len)
+  if len(prompt) == 0:
+    raise InvalidRequestError("the prompt is empty")
+  arr = np.asarray(prompt)
+  if not np.issubdtype(arr.dtype, np.integer):
+    raise InvalidRequestError("prompt token ids must be integers")
+  lo, hi = int(arr.min()), int(arr.max())
+  if lo < 0 or hi >= config.vocab_size:
+    bad = lo if lo < 0 else hi
+    raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, "
+                              f"{config.vocab_size}) of model {config.name!r}")
+  if params.max_new_tokens <= 0:
+    raise InvalidRequestError(f"max_new_tokens must be > 0, got {params.max_new_tokens}")
+  if len(prompt) >= limit:
+    raise InvalidRequestError(f"the prompt has {len(prompt)} tokens; the context of model "
+                              f"{config.name!r} holds {limit} (prompt + new tokens)")
+  if len(prompt) + params.max_new_tokens > limit:
+    raise InvalidRequestError(
+        f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+        f"the context of {limit} tokens of model {config.name!r}")
+  s = params.sampling
+  if not (s.temperature >= 0 and np.isfinite(s.temperature)):
+    raise InvalidRequestError(f"temperature must be a finite number >= 0, got {s.temperature}")
+  if s.top_k < 0:
+    raise InvalidRequestError(f"top_k must be >= 0, got {s.top_k}")
+  if not 0.0 < s.top_p <= 1.0:
+    raise InvalidRequestError(f"top_p must be in (0, 1], got {s.top_p}")
+  if not 0 <= params.seed <= MAX_SEED:
+    raise InvalidRequestError(f"seed must be in [0, {MAX_SEED}], got {params.seed}")
+  for t in params.stop_tokens:
+    if not 0 <= t < config.vocab_size:
+      raise InvalidRequestError(f"stop token {t} is outside the vocabulary [0, "
+                                f"{config.vocab_size})")
+
+
+def make_sampling(temperature: float, top_k: int, top_p: float) -> api.SamplingParams:
+  """``SamplingParams`` from wire values, with ``InvalidRequestError`` on bad input.
+
+  The proto3 default ``top_p = 0`` means "unset" and maps to 1 (no filter).
+  """
+  if top_p == 0:
+    top_p = 1.0
+  try:
+    return api.SamplingParams(float(temperature), int(top_k), float(top_p))
+  except ValueError as e:
+    raise InvalidRequestError(str(e)) from e
+
+
+# -- prefill engine ---------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PrefillInput:
+  request_id: str
+  prompt: tuple[int, ...]
+  params: RequestParams
+
+
+@dataclasses.dataclass
+class PrefillOutput:
+  """One request's prefill result.
+
+  Attributes:
+    state: batch-1 state holding the whole prompt (capacity rounded up).
+    first_token: the token sampled from the last prompt position.
+    prefill_s: wall time of the batch that computed it.
+  """
+
+  request_id: str
+  state: DecodeState
+  first_token: int
+  prompt_len: int
+  prefill_s: float
+  batch_size: int
+
+
+@jax.jit
+def _sample_rows(logits, seeds, positions, temperature, top_k, top_p):
+  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+  return api.sample_tokens(logits, keys, temperature, top_k, top_p)
+
+
+def sample_rows(logits, params: Sequence[RequestParams], positions: Sequence[int]) -> np.ndarray:
+  """Samples one token per row, each with its own settings (as ``api.sample``)."""
+  n = logits.shape[0]
+  pad = n - len(params)
+  params = list(params) + [RequestParams()] * pad
+  positions = list(positions) + [0] * pad
+  tok = _sample_rows(
+      logits, jnp.asarray([p.seed for p in params], jnp.uint32),
+      jnp.asarray(positions, jnp.int32),
+      jnp.asarray([p.sampling.temperature for p in params], jnp.float32),
+      jnp.asarray([p.sampling.top_k for p in params], jnp.int32),
+      jnp.asarray([p.sampling.top_p for p in params], jnp.float32))
+  return np.asarray(tok)
+
+
+class PrefillEngine:
+  """Batched, chunked prefill with a small, fixed set of compiled shapes.
+
+  A batch is padded to ``prefill_max_batch`` rows; its prompts are
+  right-padded and processed in chunks of at most ``prefill_chunk`` tokens,
+  each chunk padded to the smallest bucket that holds it, continuing one state
+  whose capacity is the engine's whole context. So each bucket compiles once.
+
+  ``layer_sink(layer_index, cache)`` (optional) receives each layer of the
+  **last** chunk as soon as it is computed (batched, device arrays), for
+  pipelining the state transfer with the computation of the next layer.
+  """
+
+  def __init__(self, model: api.Model, config: EngineConfig = EngineConfig()):
+    self.model = model
+    self.config = config
+    self.max_ctx = min(config.max_ctx or model.config.max_seq_len, model.config.max_seq_len)
+    chunk = config.prefill_chunk
+    self.capacity = -(-self.max_ctx // chunk) * chunk
+    self._lock = threading.Lock()
+
+  def prefill(self, inputs: Sequence[PrefillInput], layer_sink=None) -> list[PrefillOutput]:
+    if not inputs:
+      return []
+    if len(inputs) > self.config.prefill_max_batch:
+      raise ValueError(f"at most {self.config.prefill_max_batch} prompts per prefill batch")
+    for x in inputs:
+      if not 0 < len(x.prompt) < self.max_ctx:
+        raise InvalidRequestError(f"prompt of {len(x.prompt)} tokens; this engine prefills "
+                                  f"1 to {self.max_ctx - 1}")
+    with self._lock:
+      return self._prefill(list(inputs), layer_sink)
+
+  def _chunk_len(self, size: int) -> int:
+    return next(b for b in self.config.prefill_buckets if b >= size)
+
+  def _prefill(self, inputs: list[PrefillInput], layer_sink) -> list[PrefillOutput]:
+    t0 = time.perf_counter()
+    cfg, model = self.config, self.model
+    n = len(inputs)
+    batch = cfg.prefill_max_batch
+    lens = np.zeros((batch,), np.int32)
+    lens[:n] = [len(x.prompt) for x in inputs]
+    longest = int(lens.max())
+    tokens = np.zeros((batch, longest), np.int32)
+    for i, x in enumerate(inputs):
+      tokens[i, :lens[i]] = x.prompt
+    state = init_state(model.config, batch, self.capacity)
+    last_rows = np.zeros((n, model.config.vocab_size), np.float32)
+    start = 0
+    while start < longest:
+      size = min(cfg.prefill_chunk, longest - start)
+      seq = self._chunk_len(size)
+      chunk = np.zeros((batch, seq), np.int32)
+      chunk[:, :size] = tokens[:, start:start + size]
+      n_valid = np.clip(lens - start, 0, size).astype(np.int32)
+      final = start + size >= longest
+      lw = api.LayerwisePrefill(model, chunk, state, lengths=n_valid)
+      for layer_idx, cache in lw:
+        if final and layer_sink is not None:
+          layer_sink(layer_idx, cache)
+      state = lw.state
+      ends = lens[:n] - 1 - start
+      rows = [i for i in range(n) if 0 <= ends[i] < size]
+      if rows:
+        logits = np.asarray(lw.logits)
+        for i in rows:
+          last_rows[i] = logits[i, ends[i]]
+      start += size
+    first = sample_rows(jnp.asarray(_pad_rows(last_rows, batch)), [x.params for x in inputs],
+                        [int(l) for l in lens[:n]])
+    host = jax.tree_util.tree_map(np.asarray, state)
+    elapsed = time.perf_counter() - t0
+    outputs = []
+    for i, x in enumerate(inputs):
+      outputs.append(PrefillOutput(
+          request_id=x.request_id, state=_select_row(host, i, round_up(int(lens[i]))),
+          first_token=int(first[i]), prompt_len=int(lens[i]), prefill_s=elapsed,
+          batch_size=n))
+    return outputs
+
+  def warmup(self) -> float:
+    """Compiles every bucket (and sampling); returns seconds spent."""
+    t0 = time.perf_counter()
+    for b in self.config.prefill_buckets:
+      size = min(b, self.max_ctx - 1)
+      self.prefill([PrefillInput("warmup", (0,) * size, RequestParams())])
+    return time.perf_counter() - t0
+
+
+def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+  if x.shape[0] >= rows:
+    return x
+  return np.concatenate([x, np.zeros((rows - x.shape[0],) + x.shape[1:], x.dtype)])
+
+
+def _select_row(state: DecodeState, row: int, capacity: int) -> DecodeState:
+  """Row ``row`` of a batched (host) state as a batch-1 state with ``capacity`` positions."""
+  def take(cache):
+    if isinstance(cache, (AttentionCache, MLACache)):
+      return jax.tree_util.tree_map(lambda x: x[row:row + 1, :capacity], cache)
+    return jax.tree_util.tree_map(lambda x: x[row:row + 1], cache)
+  return DecodeState(layers=tuple(take(c) for c in state.layers),
+                     lengths=state.lengths[row:row + 1])
+
+
+# -- the decode pool --------------------------------------------------------------
+
+@struct.dataclass
+class PagedKV:
+  """Full-attention KV of all slots in shared pages ``[num_pages, page_size, kv_heads, dim]``."""
+
+  k_pages: jax.Array
+  v_pages: jax.Array
+
+
+@struct.dataclass
+class PagedLatent:
+  """MLA cache in shared pages: ``latent_pages [P, ps, r]``, ``rope_pages [P, ps, dr]``."""
+
+  latent_pages: jax.Array
+  rope_pages: jax.Array
+
+
+@struct.dataclass
+class SlotPool:
+  """The decode engine's whole device state (JetStream's ``decode_state``).
+
+  Attributes:
+    layers: per layer a ``PagedKV``/``PagedLatent`` (page pool) or a slot-indexed
+      ``SlidingWindowCache``/``GatedDeltaCache``/``Mamba2Cache`` ``[n_slots, ...]``.
+    lengths: int32 [n_slots], tokens in the cache of each slot.
+    page_table: int32 [n_slots, max_pages]; page ids owned by each slot. Entries
+      past a slot's pages hold 0: a valid page (so a kernel may read it safely)
+      whose keys lie past the slot's length and are masked; writes never go
+      there because a slot only writes positions it reserved.
+    page_count: int32 [n_slots], pages owned by each slot (writes past them drop).
+    tokens: int32 [n_slots], the next input token of each slot (last sampled).
+    active: bool [n_slots].
+    seeds (uint32), temperature, top_k, top_p: per-slot sampling settings.
+  """
+
+  layers: tuple
+  lengths: jax.Array
+  page_table: jax.Array
+  page_count: jax.Array
+  tokens: jax.Array
+  active: jax.Array
+  seeds: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+
+
+class PageAllocator:
+  """Free list of KV pages (host side)."""
+
+  def __init__(self, num_pages: int):
+    self.num_pages = num_pages
+    self._free = list(range(num_pages - 1, -1, -1))
+
+  @property
+  def free_pages(self) -> int:
+    return len(self._free)
+
+  def alloc(self, n: int) -> list[int]:
+    if n > len(self._free):
+      raise PoolExhaustedError(f"need {n} KV pages, {len(self._free)} free")
+    return [self._free.pop() for _ in range(n)]
+
+  def release(self, pages: Sequence[int]) -> None:
+    self._free.extend(reversed(list(pages)))
+
+
+def _keep_active(active, new, old):
+  """Rows of inactive slots keep their old value (so empty slots stay inert)."""
+  def sel(n, o):
+    mask = active.reshape((-1,) + (1,) * (n.ndim - 1))
+    return jnp.where(mask, n, o)
+  return jax.tree_util.tree_map(sel, new, old)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _generate_core(graphdef, params, pool: SlotPool):
+  model = nnx.merge(graphdef, params)
+  lengths, active = pool.lengths, pool.active
+  x = model.embed(pool.tokens)
+  layers = []
+  for block, cache in zip(model.blocks, pool.layers):
+    h_in = block.mixer_norm(x)
+    if isinstance(cache, (PagedKV, PagedLatent)):
+      ps = jax.tree_util.tree_leaves(cache)[0].shape[1]
+      num_pages = jax.tree_util.tree_leaves(cache)[0].shape[0]
+      rows = jnp.arange(lengths.shape[0])
+      index = lengths // ps
+      page = pool.page_table[rows, jnp.minimum(index, pool.page_table.shape[1] - 1)]
+      owned = active & (index < pool.page_count)
+      write_page = jnp.where(owned, page, num_pages)  # out of range -> dropped
+      h, *pages = block.mixer.paged_step(h_in, *jax.tree_util.tree_leaves(cache), lengths,
+                                         pool.page_table, write_page)
+      new_cache = type(cache)(*pages)
+    else:
+      h, new_cache = block.mixer.step(h_in, cache, lengths)
+      new_cache = _keep_active(active, new_cache, cache)
+    x = block.feed_forward(x + h)
+    layers.append(new_cache)
+  logits = model.logits(x)
+  positions = lengths + 1
+  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(pool.seeds, positions)
+  tokens = api.sample_tokens(logits, keys, pool.temperature, pool.top_k, pool.top_p)
+  tokens = jnp.where(active, tokens, 0)
+  new_pool = pool.replace(layers=tuple(layers), lengths=jnp.where(active, positions, lengths),
+                          tokens=tokens)
+  return new_pool, tokens
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _insert_core(pool: SlotPool, prefix_layers: tuple, length, slot, page_row, token, seed,
+                 temperature, top_k, top_p):
+  """Writes one request (batch-1 caches padded to the pool's max context) into ``slot``.
+
+  ``page_row`` [max_pages]: the slot's pages, ``num_pages`` (dropped) past them.
+  """
+  layers = []
+  for cache, src in zip(pool.layers, prefix_layers):
+    if isinstance(cache, (PagedKV, PagedLatent)):
+      ps = jax.tree_util.tree_leaves(cache)[0].shape[1]
+
+      def put(pages, x):
+        x = x[0].reshape((page_row.shape[0], ps) + x.shape[2:])
+        return pages.at[page_row].set(x.astype(pages.dtype), mode="drop")
+      dst_leaves, treedef = jax.tree_util.tree_flatten(cache)
+      src_leaves = jax.tree_util.tree_leaves(src)
+      layers.append(jax.tree_util.tree_unflatten(
+          treedef, [put(d, x) for d, x in zip(dst_leaves, src_leaves)]))
+    else:
+      layers.append(jax.tree_util.tree_map(
+          lambda dst, x: dst.at[slot].set(x[0].astype(dst.dtype)), cache, src))
+  return pool.replace(
+      layers=tuple(layers), lengths=pool.lengths.at[slot].set(length),
+      page_table=pool.page_table.at[slot].set(jnp.where(page_row < num_pages_of(pool),
+                                                         page_row, 0)),
+      page_count=pool.page_count.at[slot].set(jnp.sum(page_row < num_pages_of(pool))),
+      tokens=pool.tokens.at[slot].set(token),
+      active=pool.active.at[slot].set(True), seeds=pool.seeds.at[slot].set(seed),
+      temperature=pool.temperature.at[slot].set(temperature),
+      top_k=pool.top_k.at[slot].set(top_k), top_p=pool.top_p.at[slot].set(top_p))
+
+
+def num_pages_of(pool: SlotPool) -> int:
+  for cache in pool.layers:
+    if isinstance(cache, (PagedKV, PagedLatent)):
+      return jax.tree_util.tree_leaves(cache)[0].shape[0]
+  return 0
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _free_core(pool: SlotPool, slot, empty_row):
+  return pool.replace(active=pool.active.at[slot].set(False),
+                      lengths=pool.lengths.at[slot].set(0),
+                      page_table=pool.page_table.at[slot].set(empty_row),
+                      page_count=pool.page_count.at[slot].set(0),
+                      tokens=pool.tokens.at[slot].set(0))
+
+
+def init_pool(config: ModelConfig, n_slots: int, num_pages: int, page_size: int,
+              max_pages: int) -> SlotPool:
+  """An empty pool: zero pages, zero slot states, all slots inactive."""
+  dense = init_state(config, n_slots, 0)
+  layers = []
+  act = config.compute_dtype
+  for kind, cache in zip(config.layer_kinds, dense.layers):
+    if kind == "A":
+      a = config.attention
+      shape = (num_pages, page_size, a.n_kv_heads, config.attention_head_dim)
+      layers.append(PagedKV(jnp.zeros(shape, act), jnp.zeros(shape, act)))
+    elif kind == "M":
+      m = config.mla
+      layers.append(PagedLatent(jnp.zeros((num_pages, page_size, m.kv_lora_rank), act),
+                                jnp.zeros((num_pages, page_size, m.qk_rope_head_dim), act)))
+    else:
+      layers.append(cache)
+  return SlotPool(
+      layers=tuple(layers), lengths=jnp.zeros((n_slots,), jnp.int32),
+      page_table=jnp.zeros((n_slots, max_pages), jnp.int32),
+      page_count=jnp.zeros((n_slots,), jnp.int32),
+      tokens=jnp.zeros((n_slots,), jnp.int32), active=jnp.zeros((n_slots,), bool),
+      seeds=jnp.zeros((n_slots,), jnp.uint32), temperature=jnp.zeros((n_slots,), jnp.float32),
+      top_k=jnp.zeros((n_slots,), jnp.int32), top_p=jnp.ones((n_slots,), jnp.float32))
+
+
+class DecodeEngine:
+  """A fixed pool of decode slots over a paged KV pool.
+
+  Not thread-safe: one scheduler thread owns it (``DecodeScheduler``).
+  """
+
+  def __init__(self, model: api.Model, config: EngineConfig = EngineConfig()):
+    self.model = model
+    self.config = config
+    mc = model.config
+    max_ctx = min(config.max_ctx or mc.max_seq_len, mc.max_seq_len)
+    self.page_size = config.page_size
+    self.max_pages = -(-max_ctx // config.page_size)
+    self.max_ctx = self.max_pages * config.page_size
+    self.num_pages = config.num_pages or config.n_slots * self.max_pages
+    self.n_slots = config.n_slots
+    self.has_pages = any(k in ("A", "M") for k in mc.layer_kinds)
+    self.pool = init_pool(mc, self.n_slots, self.num_pages, self.page_size, self.max_pages)
+    self.allocator = PageAllocator(self.num_pages)
+    self._slot_pages: dict[int, list[int]] = {}
+    self._free_slots = list(range(self.n_slots - 1, -1, -1))
+    self._empty_row = jnp.zeros((self.max_pages,), jnp.int32)
+
+  # -- capacity --------------------------------------------------------------------
+
+  @property
+  def free_slots(self) -> int:
+    return len(self._free_slots)
+
+  @property
+  def free_pages(self) -> int:
+    return self.allocator.free_pages
+
+  def pages_needed(self, total_tokens: int) -> int:
+    return -(-total_tokens // self.page_size) if self.has_pages else 0
+
+  def can_admit(self, total_tokens: int) -> bool:
+    return bool(self._free_slots) and self.pages_needed(total_tokens) <= self.free_pages
+
+  def fits_ever(self, total_tokens: int) -> bool:
+    return total_tokens <= self.max_ctx and self.pages_needed(total_tokens) <= self.num_pages
+
+  def reserve(self, total_tokens: int) -> int:
+    """Takes a free slot and the pages for ``total_tokens`` positions; returns the slot."""
+    if not self.fits_ever(total_tokens):
+      raise InvalidRequestError(f"a request of {total_tokens} tokens (prompt + new) does not "
+                                f"fit a decode slot of {self.max_ctx} tokens")
+    if not self._free_slots:
+      raise PoolExhaustedError("no free decode slot")
+    pages = self.allocator.alloc(self.pages_needed(total_tokens))
+    slot = self._free_slots.pop()
+    self._slot_pages[slot] = pages
+    return slot
+
+  # -- JetStream boundary ----------------------------------------------------------
+
+  def insert(self, prefix: DecodeState, slot: int, first_token: int,
+             params: RequestParams) -> None:
+    """Places a batch-1 prefilled state into a reserved ``slot``.
+
+    ``first_token`` (sampled from the prefill logits) is the slot's next input.
+    """
+    if slot not in self._slot_pages:
+      raise EngineError(f"slot {slot} was not reserved")
+    length = int(np.asarray(prefix.lengths).reshape(-1)[0])
+    pages = self._slot_pages[slot]
+    if self.has_pages and len(pages) * self.page_size < length + 1:
+      raise EngineError(f"slot {slot} holds {len(pages) * self.page_size} positions, "
+                        f"the state has {length}")
+    row = np.full((self.max_pages,), self.num_pages, np.int32)
+    row[:len(pages)] = pages
+    src = tuple(self._pad_layer(c) for c in prefix.layers)
+    s = params.sampling
+    self.pool = _insert_core(self.pool, src, jnp.int32(length), jnp.int32(slot),
+                             jnp.asarray(row), jnp.int32(first_token), jnp.uint32(params.seed),
+                             jnp.float32(s.temperature), jnp.int32(s.top_k),
+                             jnp.float32(s.top_p))
+
+  def _pad_layer(self, cache):
+    """Growing caches padded/cut to the pool's max context (one insert compile)."""
+    if not isinstance(cache, (AttentionCache, MLACache)):
+      return cache
+
+    def fit(x):
+      x = np.asarray(x)
+      out = np.zeros((1, self.max_ctx) + x.shape[2:], x.dtype)
+      n = min(x.shape[1], self.max_ctx)
+      out[:, :n] = x[:, :n]
+      return out
+    return jax.tree_util.tree_map(fit, cache)
+
+  def generate(self) -> np.ndarray:
+    """One decode step for every slot; returns int32 [n_slots] (0 for empty slots)."""
+    self.pool, tokens = _generate_core(self.model.graphdef, self.model.params, self.pool)
+    return np.asarray(tokens)
+
+  def free(self, slot: int) -> None:
+    pages = self._slot_pages.pop(slot, None)
+    if pages is None:
+      return
+    self.allocator.release(pages)
+    self.pool = _free_core(self.pool, jnp.int32(slot), self._empty_row)
+    self._free_slots.append(slot)
+
+  def warmup(self) -> float:
+    """Compiles insert, generate and free; returns seconds spent."""
+    t0 = time.perf_counter()
+    slot = self.reserve(2)
+    state = init_state(self.model.config, 1, CAPACITY_ALIGN)
+    state = state.replace(lengths=jnp.ones((1,), jnp.int32))
+    self.insert(state, slot, 0, RequestParams())
+    self.generate()
+    self.free(slot)
+    self.generate()
+    return time.perf_counter() - t0

@@ -1,0 +1,338 @@
+"""The PrfaaS-region server: batched, chunked prefill that streams states away.
+
+For each request: queue for a prefill batch -> open a transfer to the decode
+server the broker chose (``paas_jax.transport.StateSender``, transfer id =
+request id) -> prefill; every layer of the last chunk is handed to the
+transfer as soon as it is computed (``LayerwisePrefill``), so sending layer i
+overlaps computing layer i+1 -> report the first token -> commit the transfer
+-> report its bytes and time. Nothing of the request is kept afterwards.
+
+  python -m paas_jax.serving.prefill_server --port=50051 --config=tiny_gdn_gqa --seed=0
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from absl import app, flags
+
+from paas_jax.proto import serving_pb2, serving_pb2_grpc
+from paas_jax.serving import cli, common
+from paas_jax.serving.batching import PrefillBatcher, PrefillJob
+from paas_jax.serving.engine import (EngineConfig, EngineError, InvalidRequestError,
+                                     PrefillEngine, PrefillInput, RequestParams, make_sampling,
+                                     validate_request)
+
+log = logging.getLogger("paas_jax.serving.prefill")
+
+SERVICE = "paas_jax.serving.v1.Prefill"
+
+
+class PrefillServicer(serving_pb2_grpc.PrefillServicer):
+
+  def __init__(self, model, engine_config: EngineConfig, *, batch_window_s: float = 0.005,
+               sender_options=None, codec=None,
+               channel_credentials: grpc.ChannelCredentials | None = None,
+               max_queue: int = 64, metrics=None, faults=None):
+    from paas_jax.codec import CodecOptions  # pylint: disable=g-import-not-at-top
+    from paas_jax.transport import SenderOptions  # pylint: disable=g-import-not-at-top
+    self.model = model
+    self.config = model.config
+    self.engine = PrefillEngine(model, engine_config)
+    self.batcher = PrefillBatcher(self.engine, batch_window_s, name="prfaas")
+    self.codec = codec or CodecOptions()
+    self.sender_options = sender_options or SenderOptions(num_streams=2,
+                                                          credentials=channel_credentials)
+    self._senders: dict[str, object] = {}
+    self._channels: list[grpc.Channel] = []
+    self._senders_lock = threading.Lock()
+    # Commits wait for the link; they must not hold up the next prefill batch.
+    self._finishers = futures.ThreadPoolExecutor(max_workers=32,
+                                                 thread_name_prefix="prefill-commit")
+    self.counters = collections.Counter()
+    self.started = time.time()
+    # Prompts waiting for a prefill batch; past it, RESOURCE_EXHAUSTED.
+    self.max_queue = max_queue
+    self.metrics = metrics  # paas_jax.observability.ServingMetrics or None
+    self.faults = faults    # paas_jax.security.faults.FaultPlan or None (tests, demo)
+    if metrics is not None:
+      metrics.track_queue("prefill_wait", lambda: self.batcher.queue_depth, limit=max_queue)
+
+  def _sender(self, target: str):
+    from paas_jax.observability.health import FAST_RECONNECT  # pylint: disable=g-import-not-at-top
+    from paas_jax.transport import StateSender  # pylint: disable=g-import-not-at-top
+    from paas_jax.transport.channels import make_channels  # pylint: disable=g-import-not-at-top
+    with self._senders_lock:
+      sender = self._senders.get(target)
+      if sender is None:
+        # Short reconnect back-off: after a WAN outage the next transfer should
+        # not wait out gRPC's default exponential back-off (up to minutes).
+        opts = self.sender_options
+        chans = make_channels(target, opts.num_connections,
+                              max_message_bytes=opts.max_message_bytes,
+                              credentials=opts.credentials, extra_options=FAST_RECONNECT)
+        self._channels.extend(chans)
+        if self.faults is not None and self.faults.interceptors():
+          chans = [grpc.intercept_channel(c, *self.faults.interceptors()) for c in chans]
+        sender = StateSender(channels_=chans, options=opts)
+        self._senders[target] = sender
+      return sender
+
+  def stop(self) -> None:
+    self.batcher.stop()
+    self._finishers.shutdown(wait=False, cancel_futures=True)
+    with self._senders_lock:
+      for s in self._senders.values():
+        s.close()
+      for c in self._channels:
+        c.close()
+
+  def warmup(self) -> dict:
+    return {"prefill_s": self.engine.warmup()}
+
+  # -- RPCs -----------------------------------------------------------------------
+
+  def Prefill(self, request, context):
+    from paas_jax.codec import CodecOptions  # pylint: disable=g-import-not-at-top
+    from paas_jax.transport import TransferError  # pylint: disable=g-import-not-at-top
+    try:
+      if request.model and request.model != self.config.name:
+        raise InvalidRequestError(f"unknown model {request.model!r}; this prefill server "
+                                  f"serves {self.config.name!r}")
+      if not request.request_id or len(request.request_id) > 256:
+        raise InvalidRequestError("request_id is required (at most 256 characters)")
+      if not request.decode_target:
+        raise InvalidRequestError("decode_target is required")
+      prompt = tuple(int(t) for t in request.prompt_ids)
+      params = RequestParams(
+          sampling=make_sampling(request.sampling.temperature, request.sampling.top_k,
+                                 request.sampling.top_p),
+          seed=int(request.seed), max_new_tokens=1)
+      validate_request(self.config, prompt, params, self.engine.max_ctx)
+      codec = CodecOptions.from_json(request.codec_json) if request.codec_json else self.codec
+    except (InvalidRequestError, ValueError) as e:
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    events: queue.Queue = queue.Queue()
+    holder: dict = {}
+    submitted = time.perf_counter()
+    rid = request.request_id
+    cfg = self.config
+
+    def on_start():
+      if self.faults is not None:
+        holder["transfer_no"] = self.faults.transfer_started()
+      sender = self._sender(request.decode_target)
+      holder["tx"] = sender.begin(model_id=cfg.name, config_fingerprint=cfg.fingerprint(),
+                                  num_layers=cfg.n_layers, lengths=[len(prompt)], codec=codec,
+                                  transfer_id=rid)
+      holder["queue_s"] = time.perf_counter() - submitted
+
+    def on_layer(i, cache):
+      holder["tx"].send_layer(i, cache)
+      if self.faults is not None:
+        holder["layers_sent"] = holder.get("layers_sent", 0) + 1
+        self.faults.on_layer(holder["transfer_no"], holder["layers_sent"])
+
+    def on_done(out):
+      events.put(("first", out))
+      self._finishers.submit(finish)
+
+    def finish():
+      tx = holder.get("tx")
+      try:
+        result = tx.finish()
+      except TransferError as e:
+        self.counters["transfers_failed"] += 1
+        if self.metrics is not None:
+          tl = tx.timeline()
+          self.metrics.observe_transfer("A->B", bytes_sent=tl.bytes_sent, state_bytes=0,
+                                        seconds=0.0, ok=False,
+                                        retried_chunks=tl.resent_chunks)
+        events.put(("error", e.code, f"state transfer to {request.decode_target} failed: "
+                                     f"{e.message}"))
+        return
+      except Exception as e:  # pylint: disable=broad-except
+        self.counters["transfers_failed"] += 1
+        events.put(("error", grpc.StatusCode.INTERNAL, f"state transfer failed: {e!r}"))
+        return
+      self.counters["transfers_ok"] += 1
+      self.counters["bytes_sent"] += result.timeline.bytes_sent
+      self.counters["resent_chunks"] += result.timeline.resent_chunks
+      if self.metrics is not None:
+        tl = result.timeline
+        self.metrics.observe_transfer("A->B", bytes_sent=tl.bytes_sent,
+                                      state_bytes=tl.state_bytes, seconds=tl.duration_s or 0.0,
+                                      retried_chunks=tl.resent_chunks)
+      events.put(("done", result))
+
+    def on_error(e):
+      tx = holder.get("tx")
+      if tx is not None:
+        tx.abort(f"prefill failed: {e!r}")
+      if isinstance(e, TransferError):
+        events.put(("error", e.code, f"could not open a transfer to "
+                                     f"{request.decode_target}: {e.message}"))
+      elif isinstance(e, InvalidRequestError):
+        events.put(("error", grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+      else:
+        events.put(("error", grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}"))
+
+    job = PrefillJob(input=PrefillInput(rid, prompt, params), on_done=on_done,
+                     on_error=on_error, on_start=on_start, on_layer=on_layer)
+
+    def on_rpc_done():
+      if "finished" not in holder:
+        job.cancelled = True
+        tx = holder.get("tx")
+        if tx is not None:
+          tx.abort("the broker cancelled the request")
+        self.counters["cancelled"] += 1
+    context.add_callback(on_rpc_done)
+    self.counters["requests"] += 1
+    if self.batcher.queue_depth >= self.max_queue:
+      self.counters["rejected_queue_full"] += 1
+      if self.metrics is not None:
+        self.metrics.queue_rejections.labels("prefill_wait").inc()
+      holder["finished"] = True
+      context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"prefill queue full ({self.max_queue} prompts waiting)")
+    try:
+      self.batcher.submit(job)
+    except EngineError as e:
+      context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    while True:
+      try:
+        kind, *rest = events.get(timeout=0.5)
+      except queue.Empty:
+        if not context.is_active():
+          return
+        continue
+      if kind == "error":
+        holder["finished"] = True
+        context.abort(rest[0], rest[1])
+      if kind == "first":
+        out = rest[0]
+        if self.faults is not None:
+          self.faults.before_first_token()
+        yield serving_pb2.PrefillEvent(first_token=serving_pb2.FirstToken(
+            token_id=out.first_token, queue_s=holder.get("queue_s", 0.0),
+            prefill_s=out.prefill_s, batch_size=out.batch_size))
+      elif kind == "done":
+        t = rest[0].timeline
+        holder["finished"] = True
+        yield serving_pb2.PrefillEvent(done=serving_pb2.TransferDone(
+            state_bytes=t.state_bytes, bytes_sent=t.bytes_sent,
+            transfer_s=t.duration_s or 0.0, receiver_ready_s=t.receiver_ready_s or 0.0,
+            num_streams=t.num_streams))
+        return
+
+  def GetStats(self, request, context):
+    s = dict(self.counters)
+    s.update(queue=self.batcher.queue_depth, batches=self.batcher.batches,
+             prompts=self.batcher.prompts, prompt_tokens=self.batcher.tokens,
+             busy_s=self.batcher.busy_s, uptime_s=time.time() - self.started)
+    return serving_pb2.StatsResponse(
+        server="prefill", gauges={k: float(v) for k, v in s.items()},
+        json=json.dumps({"model": self.config.name, "fingerprint": self.config.fingerprint(),
+                         "codec": self.codec.to_dict()}))
+
+
+class PrefillServer:
+
+  def __init__(self, servicer: PrefillServicer, control: common.RunningServer):
+    self.servicer = servicer
+    self.control = control
+
+  @property
+  def address(self) -> str:
+    return self.control.address
+
+  def stop(self) -> None:
+    self.control.stop(0.5)
+    self.servicer.stop()
+
+
+def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
+          batch_window_s: float = 0.005, codec=None, sender_options=None,
+          credentials: grpc.ServerCredentials | None = None, interceptors=(),
+          channel_credentials: grpc.ChannelCredentials | None = None,
+          security=None, metrics=None, faults=None, max_queue: int = 64,
+          warmup: bool = True) -> PrefillServer:
+  """Starts the Prefill service.
+
+  ``security`` (a ``paas_jax.security.ServiceSecurity`` of role prefill)
+  gives the port mutual TLS and the prefill peer rule (only brokers call it),
+  and the state transfers to region B this server's client certificate; it
+  overrides ``credentials`` / ``channel_credentials`` and the credentials of
+  ``sender_options``. ``metrics`` records RPCs, the queue and every transfer;
+  ``faults`` (``FaultPlan``) injects faults for tests and the demo.
+  """
+  from paas_jax.security.hooks import server_interceptors  # pylint: disable=g-import-not-at-top
+  if security is not None:
+    credentials = security.server_credentials()
+    channel_credentials = security.channel_credentials()
+    if sender_options is not None:
+      sender_options = dataclasses.replace(sender_options, credentials=channel_credentials)
+  servicer = PrefillServicer(model, engine_config, batch_window_s=batch_window_s, codec=codec,
+                             sender_options=sender_options,
+                             channel_credentials=channel_credentials, max_queue=max_queue,
+                             metrics=metrics, faults=faults)
+  control = common.start_server(
+      f"{host}:{port}", lambda s: serving_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
+      credentials=credentials, services=[SERVICE], max_workers=128,
+      interceptors=server_interceptors(security, metrics) + list(interceptors))
+  if warmup:
+    log.info("prefill server warm: %s", servicer.warmup())
+  control.set_serving([SERVICE])
+  return PrefillServer(servicer, control)
+
+
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  from paas_jax.codec import CodecOptions  # pylint: disable=g-import-not-at-top
+  from paas_jax.transport import SenderOptions  # pylint: disable=g-import-not-at-top
+  t0 = time.time()
+  from paas_jax.security.faults import FaultPlan  # pylint: disable=g-import-not-at-top
+  model, security, metrics, metrics_port = cli.setup_process("prefill")
+  faults = FaultPlan.parse(FLAGS.faults)
+  if faults.active:
+    log.warning("FAULT INJECTION enabled: %s", faults)
+  engine_config = EngineConfig(
+      n_slots=1, max_ctx=FLAGS.max_ctx,
+      prefill_buckets=tuple(int(b) for b in FLAGS.prefill_buckets),
+      prefill_max_batch=FLAGS.prefill_max_batch)
+  server = start(model, engine_config, host=FLAGS.host, port=FLAGS.port,
+                 batch_window_s=FLAGS.batch_window_ms / 1e3,
+                 codec=CodecOptions(compression=FLAGS.codec_compression),
+                 sender_options=SenderOptions(num_streams=FLAGS.transfer_streams),
+                 security=security, metrics=metrics,
+                 faults=faults if faults.active else None, max_queue=FLAGS.max_queue)
+  common.write_ready_file(FLAGS.ready_file, {
+      "pid": os.getpid(), "port": server.control.port, "model": model.config.name,
+      "metrics_port": metrics_port,
+      "startup_s": time.time() - t0})
+  log.info("prefill server on %s, model %s", server.address, model.config.name)
+  common.wait_for_termination(server.stop)
+
+
+if __name__ == "__main__":
+  cli.define_server_flags("prefill")
+  flags.DEFINE_integer("max_queue", 64, "Prompts allowed to wait for a prefill batch.")
+  flags.DEFINE_enum("codec_compression", "raw", ["raw", "zstd", "blosc"],
+                    "State codec compression on the link.")
+  flags.DEFINE_integer("transfer_streams", 2, "Parallel Push streams per transfer.")
+  app.run(main)

@@ -1,0 +1,59 @@
+"""Fixtures for the serving tests: one real two-region cluster per session.
+
+The cluster runs the prefill server (region A), the decode server (region B),
+a WAN relay between them and the broker as separate processes on 127.0.0.1.
+Compiled engines go to the persistent XLA cache ($PAAS_JAX_COMPILATION_CACHE
+or runs/.jax_cache), so only the first run pays for compilation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from paas_jax.netem import LinkSpec
+from paas_jax.serving import common
+from paas_jax.serving.launch import ClusterSpec, LocalCluster
+
+CONFIG = "tiny_gdn_gqa"
+SEED = 0
+# Prompts up to 100 tokens are prefilled locally (PD-P), longer ones remotely.
+THRESHOLD = 100
+N_SLOTS = 8
+MAX_QUEUE = 8
+MAX_CTX = 512
+SHORT, LONG = 40, 200  # LONG spans two 128-token prefill chunks
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+  spec = ClusterSpec(config=CONFIG, seed=SEED, n_slots=N_SLOTS, max_queue=MAX_QUEUE,
+                     max_ctx=MAX_CTX, prefill_buckets=(128,), prefill_max_batch=4,
+                     threshold=THRESHOLD, link=LinkSpec(bandwidth_bps=200e6, rtt_s=0.01,
+                                                        jitter_s=0.001))
+  c = LocalCluster(spec, tmp_path_factory.mktemp("cluster"))
+  c.start()
+  yield c
+  c.stop()
+
+
+@pytest.fixture(scope="session")
+def ref_model():
+  common.enable_compilation_cache(common.default_compilation_cache())
+  model, _ = common.load_model(CONFIG, SEED)
+  return model
+
+
+@pytest.fixture(scope="session")
+def reference(ref_model):
+  """tokens = reference(prompt, max_new_tokens, temperature, top_k, top_p, seed, stops)."""
+  from paas_jax.models import api
+
+  @functools.lru_cache(maxsize=None)
+  def ref(prompt: tuple, max_new: int, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+          stops: tuple = ()):
+    return api.generate(ref_model, list(prompt), max_new,
+                        sampling=api.SamplingParams(temperature, top_k, top_p), seed=seed,
+                        stop_tokens=stops).tokens
+  return ref

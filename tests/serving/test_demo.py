@@ -1,0 +1,32 @@
+"""The README's main command, shrunk: a real two-region run with a reference check."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_demo_two_region_small(tmp_path):
+  out = tmp_path / "report.json"
+  proc = subprocess.run(
+      [sys.executable, str(REPO / "experiments" / "demo_two_region.py"), "--num_requests=6",
+       "--max_new_tokens=8", "--rate=20", "--trace=0:20mbit,1:5mbit,period=2",
+       f"--json_out={out}", f"--workdir={tmp_path / 'work'}", "--progress=false"],
+      capture_output=True, text=True, timeout=600, cwd=REPO)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "all_tokens_match_reference: true" in proc.stdout
+  report = json.loads(out.read_text())
+  assert report["all_tokens_match_reference"] is True
+  assert report["errors"] == 0 and len(report["requests"]) == 6
+  for r in report["requests"]:
+    assert r["route"] in ("pdp", "prfaas") and r["ttft_s"] > 0
+    assert (r["link_bytes"] > 0) == (r["route"] == "prfaas")
+  assert report["link_utilization"]["a_to_b"]["bytes"] >= sum(
+      r["link_bytes"] for r in report["requests"])

@@ -1,8 +1,9 @@
 """Verifying and restoring a serialized decode state.
 
 Restore never trusts storage: every object listed in the manifest is read,
-checked against its size and crc32c, and copied into a private in-memory
-store before TensorStore decodes anything, so a bad object fails the whole
+checked against its size and crc32c, and staged in a private in-memory
+store before anything is decoded from it (raw-codec arrays straight from the
+staged objects, others through TensorStore), so a bad object fails the whole
 restore with an error naming its layer and chunk and no partial state is
 returned. Arrays are restored into the reader's template: its capacity (the
 live tokens are padded back with zeros), its dtype and its sharding (each
@@ -13,6 +14,7 @@ just work).
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Callable, Mapping
 
@@ -20,6 +22,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from paas_jax.codec import chunks as chunks_lib
 from paas_jax.codec import layout
 from paas_jax.codec.errors import (ChunkIntegrityError, CodecError, FingerprintMismatchError,
                                    IncompleteStateError, LayoutMismatchError)
@@ -27,7 +30,7 @@ from paas_jax.codec.manifest import (GLOBAL_LAYER_INDEX, MANIFEST_KEY, PARTIAL_M
                                      ArrayEntry, ChunkEntry, LayerEntry, StateManifest,
                                      merge_manifests)
 from paas_jax.codec.quantize import dequantize
-from paas_jax.codec.store import KvStoreLike, MemoryStore, crc32c, open_kvstore
+from paas_jax.codec.store import KvStoreLike, MemoryStore, codec_kvstore, crc32c
 
 # A sharding for every leaf: a pytree matching the template (Sharding or None
 # leaves), or a function of (leaf name, template leaf).
@@ -76,7 +79,7 @@ def read_manifest(where: KvStoreLike) -> StateManifest:
 
   Raises ``IncompleteStateError`` if the state was never committed.
   """
-  kv = open_kvstore(where)
+  kv = codec_kvstore(where)
   result = kv.read(MANIFEST_KEY).result()
   if result.state == "value":
     return _parse_manifest(kv, MANIFEST_KEY, result.value)
@@ -173,6 +176,61 @@ def _template_sharding(name: str, leaf: Any, shardings: ShardingsLike, flat_shar
   return getattr(leaf, "sharding", None)
 
 
+_ALIGN = 64
+
+
+def _host_array(shape: tuple, dtype: np.dtype, *, zero: bool) -> np.ndarray:
+  """A fresh host array aligned to 64 bytes, which lets ``jax.device_put`` on
+  the CPU backend adopt it instead of copying it (the codec never touches it
+  again); zero-filled if ``zero`` (calloc'd pages, zeroed lazily by the OS)."""
+  nbytes = math.prod(shape) * dtype.itemsize
+  raw = (np.zeros if zero else np.empty)(nbytes + _ALIGN, np.uint8)
+  offset = -raw.ctypes.data % _ALIGN
+  return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+class _StoredArray:
+  """Reads boxes of one verified zarr3 array of a ``MemoryStore``.
+
+  Raw-codec arrays are read straight from the store's objects
+  (``chunks.read_raw_box``); any other array (compressed, or metadata the
+  fast path does not recognise) through TensorStore's zarr3 driver.
+  """
+
+  def __init__(self, store: MemoryStore, entry: ArrayEntry):
+    self.store = store
+    self.entry = entry
+    self.stored_dtype = np.dtype(ts.dtype(entry.stored_dtype).numpy_dtype)
+    self._raw = chunks_lib.raw_layout(store.get(entry.metadata_key), entry.stored_shape,
+                                      entry.stored_dtype)
+    self._ts: ts.TensorStore | None = None
+
+  def _tensorstore(self) -> ts.TensorStore:
+    if self._ts is None:
+      self._ts = ts.open(self.store.zarr_spec(self.entry.name), context=self.store.context,
+                         open=True, read=True).result()
+    return self._ts
+
+  def read(self, src: tuple, out: np.ndarray | None = None) -> np.ndarray:
+    """Box ``src`` (slices with explicit bounds) of the stored array, into
+    ``out`` (exactly the box's shape) when given."""
+    if self._raw is not None:
+      dtype, chunk = self._raw
+      target = out if out is not None else np.empty(
+          tuple(s.stop - s.start for s in src), dtype)
+      try:
+        chunks_lib.read_raw_box(self.store.get, self.entry.name, self.entry.stored_shape,
+                                dtype, chunk, src, target)
+        return target
+      except chunks_lib.BadChunkError:
+        self._raw = None  # Let TensorStore read (and reject) it.
+    data = self._tensorstore()[src].read().result()
+    if out is None:
+      return data
+    out[...] = data
+    return out
+
+
 def restore_array(store: MemoryStore, group: LayerEntry, entry: ArrayEntry, shape: tuple,
                   dtype: np.dtype, sharding: jax.sharding.Sharding | None, *,
                   as_numpy: bool = False):
@@ -183,14 +241,26 @@ def restore_array(store: MemoryStore, group: LayerEntry, entry: ArrayEntry, shap
   """
   shape = tuple(int(s) for s in shape)
   dtype = np.dtype(dtype)
+  read_slice = _slice_reader(store, group, entry, shape, dtype)
+  if as_numpy:
+    return read_slice(tuple(slice(None) for _ in shape))
+  if sharding is None:
+    # Uncommitted, like the output of an ordinary jitted prefill: a committed
+    # array would make the decode step's jit cache miss and recompile.
+    return jax.device_put(read_slice(tuple(slice(None) for _ in shape)))
+  return jax.make_array_from_callback(shape, sharding, read_slice)
+
+
+def _slice_reader(store: MemoryStore, group: LayerEntry, entry: ArrayEntry, shape: tuple,
+                  dtype: np.dtype) -> Callable[[tuple], np.ndarray]:
+  """Checks that the entry fits ``shape``/``dtype``; returns index -> host slice."""
   _check_fits(group, entry, shape, dtype)
-  arr = ts.open(store.zarr_spec(entry.name), context=store.context, open=True,
-                read=True).result()
+  arr = _StoredArray(store, entry)
   scale = None
   if entry.quantization != "none":
     scale_entry = group.array(f"{entry.name}@scale")
-    scale = ts.open(store.zarr_spec(scale_entry.name), context=store.context, open=True,
-                    read=True).result().read().result()
+    scale_array = _StoredArray(store, scale_entry)
+    scale = scale_array.read(tuple(slice(0, n) for n in scale_entry.stored_shape))
   t = entry.token_axis
 
   def read_slice(index: tuple) -> np.ndarray:
@@ -200,23 +270,21 @@ def restore_array(store: MemoryStore, group: LayerEntry, entry: ArrayEntry, shap
     if boxes is None:
       return np.zeros(out_shape, dtype)
     src, dst = boxes
-    data = arr[src].read().result()
+    box_shape = tuple(s.stop - s.start for s in src)
+    if scale is None and arr.stored_dtype == dtype:
+      # Straight into the output: no intermediate copy of the box.
+      out = _host_array(out_shape, dtype, zero=box_shape != out_shape)
+      arr.read(src, out[dst])
+      return out
+    data = arr.read(src)
     if scale is not None:
       data = dequantize(data, scale[tuple(s for i, s in enumerate(src) if i != t)],
                         token_axis=t, dtype=dtype)
-    if data.shape == out_shape:
-      return np.asarray(data, dtype)
-    out = np.zeros(out_shape, dtype)
+    out = _host_array(out_shape, dtype, zero=data.shape != out_shape)
     out[dst] = data
     return out
 
-  if as_numpy:
-    return read_slice(tuple(slice(None) for _ in shape))
-  if sharding is None:
-    # Uncommitted, like the output of an ordinary jitted prefill: a committed
-    # array would make the decode step's jit cache miss and recompile.
-    return jax.device_put(read_slice(tuple(slice(None) for _ in shape)))
-  return jax.make_array_from_callback(shape, sharding, read_slice)
+  return read_slice
 
 
 def _template_index(like: Any, shardings: ShardingsLike):
@@ -250,26 +318,93 @@ def check_template(manifest: StateManifest, like: Any) -> None:
         f"template {sorted(wanted - stored)}")
 
 
+class _Template:
+  """The template's leaves and shardings by name, computed once per restore."""
+
+  def __init__(self, like: Any, shardings: ShardingsLike):
+    named, self.flat_shardings = _template_index(like, shardings)
+    self.leaves = dict(named)
+    self.shardings = shardings
+
+
 def restore_group(store: MemoryStore, group: LayerEntry, like: Any,
                   shardings: ShardingsLike = None) -> dict[str, Any]:
   """Restores the data arrays of one group; returns name -> array.
 
   ``like`` is the full template state (only the group's leaves are used).
   """
-  named, flat_shardings = _template_index(like, shardings)
-  leaves = dict(named)
+  return _restore_group(store, group, _Template(like, shardings))
+
+
+def _restore_group(store: MemoryStore, group: LayerEntry, template: _Template
+                   ) -> dict[str, Any]:
+  out, uncommitted = _restore_group_host(store, group, template)
+  out.update(_device_put_uncommitted(uncommitted))
+  return out
+
+
+def _device_put_uncommitted(host: Mapping[str, np.ndarray]) -> dict[str, Any]:
+  # Uncommitted, like the output of an ordinary jitted prefill: a committed
+  # array would make the decode step's jit cache miss and recompile. One
+  # batched transfer instead of one dispatch per array.
+  if not host:
+    return {}
+  return dict(zip(host, jax.device_put(list(host.values()))))
+
+
+def _restore_group_host(store: MemoryStore, group: LayerEntry, template: _Template
+                        ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """(restored arrays, name -> host array of leaves still to be device_put
+  uncommitted)."""
   out = {}
+  uncommitted = {}
   for entry in group.arrays:
     if entry.role != "data":
       continue
-    if entry.name not in leaves:
+    if entry.name not in template.leaves:
       raise LayoutMismatchError(f"template has no leaf {entry.name!r}")
-    leaf = leaves[entry.name]
-    sharding = _template_sharding(entry.name, leaf, shardings, flat_shardings)
-    out[entry.name] = restore_array(
-        store, group, entry, np.shape(leaf), np.dtype(leaf.dtype), sharding,
-        as_numpy=isinstance(leaf, np.ndarray))
-  return out
+    leaf = template.leaves[entry.name]
+    sharding = _template_sharding(entry.name, leaf, template.shardings,
+                                  template.flat_shardings)
+    shape = tuple(int(s) for s in np.shape(leaf))
+    if isinstance(leaf, np.ndarray) or sharding is None:
+      read_slice = _slice_reader(store, group, entry, shape, np.dtype(leaf.dtype))
+      host = read_slice(tuple(slice(None) for _ in shape))
+      if isinstance(leaf, np.ndarray):
+        out[entry.name] = host
+      else:
+        uncommitted[entry.name] = host
+    else:
+      out[entry.name] = restore_array(store, group, entry, shape, np.dtype(leaf.dtype),
+                                      sharding)
+  return out, uncommitted
+
+
+class _BatchedRestore:
+  """Restores groups one after another, moving uncommitted host arrays to the
+  device in batches of up to ``_DEVICE_PUT_BATCH_BYTES``."""
+
+  def __init__(self, template: _Template):
+    self.template = template
+    self.restored: dict[str, Any] = {}
+    self._host: dict[str, np.ndarray] = {}
+    self._host_bytes = 0
+
+  def add(self, store: MemoryStore, group: LayerEntry) -> None:
+    out, host = _restore_group_host(store, group, self.template)
+    self.restored.update(out)
+    self._host.update(host)
+    self._host_bytes += sum(a.nbytes for a in host.values())
+    if self._host_bytes >= _DEVICE_PUT_BATCH_BYTES:
+      self.flush()
+
+  def flush(self) -> dict[str, Any]:
+    self.restored.update(_device_put_uncommitted(self._host))
+    self._host, self._host_bytes = {}, 0
+    return self.restored
+
+
+_DEVICE_PUT_BATCH_BYTES = 64 << 20
 
 
 def assemble(like: Any, restored: Mapping[str, Any]) -> Any:
@@ -283,10 +418,10 @@ def restore_from_store(store: MemoryStore, manifest: StateManifest, like: Any,
                        shardings: ShardingsLike = None) -> Any:
   """Restores a full state from an already verified in-memory store."""
   check_template(manifest, like)
-  restored = {}
+  batch = _BatchedRestore(_Template(like, shardings))
   for group in manifest.groups:
-    restored.update(restore_group(store, group, like, shardings))
-  return assemble(like, restored)
+    batch.add(store, group)
+  return assemble(like, batch.flush())
 
 
 def decode_state(where: KvStoreLike, *, like: Any, shardings: ShardingsLike = None,
@@ -316,27 +451,27 @@ def decode_state(where: KvStoreLike, *, like: Any, shardings: ShardingsLike = No
       message names the layer and the chunk).
     LayoutMismatchError: the state does not fit the template.
   """
-  kv = open_kvstore(where)
+  kv = codec_kvstore(where)
   if manifest is None:
     manifest = read_manifest(kv)
   check_identity(manifest, expected_model_id=expected_model_id,
                  expected_fingerprint=expected_fingerprint)
   check_template(manifest, like)
-  restored = {}
+  batch = _BatchedRestore(_Template(like, shardings))
   # One layer at a time, so at most one layer's encoded bytes are staged.
   for group in manifest.groups:
     store = MemoryStore()
     try:
       store.put_many(fetch_group(kv, group))
-      restored.update(restore_group(store, group, like, shardings))
+      batch.add(store, group)
     finally:
       store.close()
-  return assemble(like, restored)
+  return assemble(like, batch.flush())
 
 
 def verify_state(where: KvStoreLike, manifest: StateManifest | None = None) -> StateManifest:
   """Checks every object of a stored state without decoding it; returns the manifest."""
-  kv = open_kvstore(where)
+  kv = codec_kvstore(where)
   if manifest is None:
     manifest = read_manifest(kv)
   for group in manifest.groups:

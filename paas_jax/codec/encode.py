@@ -1,7 +1,10 @@
 """Encoding a decode state (or one layer of it) into zarr3 objects.
 
-Each layer is encoded into a private in-memory TensorStore and its objects
-are read back as bytes with their crc32c. The bytes are then either written
+Each layer is encoded into zarr3 objects with their crc32c: with the raw
+codec the chunks are cut from the arrays directly (``paas_jax.codec.chunks``,
+byte-identical to what TensorStore writes, with TensorStore's own
+``zarr.json``); compressed arrays are written into a private in-memory
+TensorStore and read back as bytes. The bytes are then either written
 to any kvstore (``encode_state``) or streamed over gRPC
 (``paas_jax.transport``); both sinks see the same objects, so a state on disk
 and a state on the wire verify and decode the same way.
@@ -17,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
+from paas_jax.codec import chunks as chunks_lib
 from paas_jax.codec import layout
 from paas_jax.codec.layout import ArrayRole
 from paas_jax.codec.manifest import (GLOBAL_LAYER_INDEX, GLOBAL_LAYER_KIND, MANIFEST_KEY,
@@ -24,7 +28,7 @@ from paas_jax.codec.manifest import (GLOBAL_LAYER_INDEX, GLOBAL_LAYER_KIND, MANI
                                      partial_manifest_key)
 from paas_jax.codec.options import CodecOptions
 from paas_jax.codec.quantize import quantize
-from paas_jax.codec.store import KvStoreLike, MemoryStore, crc32c, open_kvstore
+from paas_jax.codec.store import KvStoreLike, MemoryStore, codec_kvstore, crc32c
 
 
 @dataclasses.dataclass
@@ -97,7 +101,7 @@ def _dimension_names(ndim: int, role: ArrayRole, drop_token_axis: bool = False) 
 
 
 def _open_array(store: MemoryStore, name: str, shape, dtype: np.dtype, chunk,
-                options: CodecOptions, dim_names: list) -> ts.TensorStore:
+                options: CodecOptions, dim_names: list, wait: bool = True):
   spec = store.zarr_spec(name)
   spec.update({
       "metadata": {
@@ -109,7 +113,60 @@ def _open_array(store: MemoryStore, name: str, shape, dtype: np.dtype, chunk,
       },
       "create": True,
   })
-  return ts.open(spec, context=store.context).result()
+  opened = ts.open(spec, context=store.context)
+  return opened.result() if wait else opened
+
+
+class _ArrayWriter:
+  """Writes the arrays of one group: raw-codec arrays are chunked here
+  (``chunks.encode_raw_chunks``), everything else goes through a private
+  TensorStore memory store, opened only if some array needs it."""
+
+  def __init__(self, options: CodecOptions):
+    self.options = options
+    self.objects: dict[str, tuple[bytes, int | None]] = {}  # key -> (bytes, crc or None)
+    self._store: MemoryStore | None = None
+    self._opens: list = []  # (open future, data, stored shape)
+
+  def write(self, name: str, data, stored_shape: Sequence[int], dtype: np.dtype, chunk,
+            dim_names: list) -> None:
+    options = self.options
+    if options.compression == "raw":
+      shards = _host_shards(data)
+      raw = chunks_lib.encode_raw_chunks(name, shards, stored_shape, chunk, dtype)
+      if raw is not None:
+        meta = chunks_lib.metadata_json(stored_shape, dtype, chunk,
+                                        options.zarr_codecs(np.dtype(dtype).itemsize),
+                                        dim_names)
+        self.objects[f"{name}/zarr.json"] = (meta, None)
+        self.objects.update(raw)
+        return
+    if self._store is None:
+      self._store = MemoryStore()
+    # Opened now, written in finish(): every array's open runs concurrently.
+    self._opens.append((_open_array(self._store, name, stored_shape, dtype, chunk, options,
+                                    dim_names, wait=False), data, stored_shape))
+
+  def finish(self) -> tuple[dict[str, bytes], dict[str, int]]:
+    """(key -> bytes, key -> crc32c) of every object, sorted by key."""
+    try:
+      futures = []
+      for opened, data, stored_shape in self._opens:
+        futures += _write_shards(opened.result(), data, stored_shape)
+      for f in futures:
+        f.result()
+      if self._store is not None:
+        for key, value in self._store.read_all().items():
+          self.objects[key] = (value, None)
+    finally:
+      if self._store is not None:
+        self._store.close()
+    blobs, crcs = {}, {}
+    for key in sorted(self.objects):
+      value, crc = self.objects[key]
+      blobs[key] = value
+      crcs[key] = crc32c(value) if crc is None else crc
+    return blobs, crcs
 
 
 def _write_shards(arr: ts.TensorStore, data, stored_shape: Sequence[int]) -> list:
@@ -138,69 +195,60 @@ def encode_arrays(layer_index: int, kind: str,
     token_count: live positions kept along token axes of trimmed roles.
     options: codec options.
   """
-  store = MemoryStore()
-  try:
-    futures = []
-    pending: list[ArrayEntry] = []
-    for name, leaf, role in leaves:
-      shape = tuple(int(s) for s in np.shape(leaf))
-      dtype = np.dtype(leaf.dtype)
-      stored_shape = list(shape)
-      if role.token_axis is not None:
-        stored_shape[role.token_axis] = layout.live_extent(role, shape[role.token_axis],
-                                                           token_count)
-      stored_shape = tuple(stored_shape)
-      quant = options.quantization
-      if not (role.quantizable and quant != "none" and jnp.issubdtype(dtype, jnp.floating)):
-        quant = "none"
-      data, scale = leaf, None
-      if quant != "none":
-        data, scale = quantize(leaf, stored_shape[role.token_axis], kind=quant,
-                               token_axis=role.token_axis)
-      stored_dtype = np.dtype(data.dtype)
-      shard_shape, sharded_axes = layout.shard_layout(leaf)
-      chunk = layout.chunk_shape(stored_shape, shard_shape, sharded_axes,
-                                 stored_dtype.itemsize, role, options.chunk_bytes,
-                                 options.heads_per_chunk)
-      arr = _open_array(store, name, stored_shape, stored_dtype, chunk, options,
-                        _dimension_names(len(shape), role))
-      futures += _write_shards(arr, data, stored_shape)
+  writer = _ArrayWriter(options)
+  pending: list[ArrayEntry] = []
+  for name, leaf, role in leaves:
+    shape = tuple(int(s) for s in np.shape(leaf))
+    dtype = np.dtype(leaf.dtype)
+    stored_shape = list(shape)
+    if role.token_axis is not None:
+      stored_shape[role.token_axis] = layout.live_extent(role, shape[role.token_axis],
+                                                         token_count)
+    stored_shape = tuple(stored_shape)
+    quant = options.quantization
+    if not (role.quantizable and quant != "none" and jnp.issubdtype(dtype, jnp.floating)):
+      quant = "none"
+    data, scale = leaf, None
+    if quant != "none":
+      data, scale = quantize(leaf, stored_shape[role.token_axis], kind=quant,
+                             token_axis=role.token_axis)
+    stored_dtype = np.dtype(data.dtype)
+    shard_shape, sharded_axes = layout.shard_layout(leaf)
+    chunk = layout.chunk_shape(stored_shape, shard_shape, sharded_axes,
+                               stored_dtype.itemsize, role, options.chunk_bytes,
+                               options.heads_per_chunk)
+    writer.write(name, data, stored_shape, stored_dtype, chunk,
+                 _dimension_names(len(shape), role))
+    pending.append(ArrayEntry(
+        name=name, role="data", dtype=dtype.name, shape=shape,
+        stored_dtype=stored_dtype.name, stored_shape=stored_shape,
+        token_axis=role.token_axis, head_axis=role.head_axis, trim=role.trim,
+        quantization=quant, chunk_shape=chunk))
+    if scale is not None:
+      t = role.token_axis
+      scale_shape = tuple(s for i, s in enumerate(stored_shape) if i != t)
+      scale_shard, scale_sharded = layout.shard_layout(scale)
+      scale_role = ArrayRole(head_axis=None if role.head_axis is None else
+                             role.head_axis - (role.head_axis > t),
+                             batch_axis=role.batch_axis)
+      scale_chunk = layout.chunk_shape(scale_shape, scale_shard, scale_sharded, 4,
+                                       scale_role, options.chunk_bytes,
+                                       options.heads_per_chunk)
+      scale_name = f"{name}@scale"
+      writer.write(scale_name, scale, scale_shape, np.dtype(np.float32), scale_chunk,
+                   _dimension_names(len(shape), role, drop_token_axis=True))
       pending.append(ArrayEntry(
-          name=name, role="data", dtype=dtype.name, shape=shape,
-          stored_dtype=stored_dtype.name, stored_shape=stored_shape,
-          token_axis=role.token_axis, head_axis=role.head_axis, trim=role.trim,
-          quantization=quant, chunk_shape=chunk))
-      if scale is not None:
-        t = role.token_axis
-        scale_shape = tuple(s for i, s in enumerate(stored_shape) if i != t)
-        scale_shard, scale_sharded = layout.shard_layout(scale)
-        scale_role = ArrayRole(head_axis=None if role.head_axis is None else
-                               role.head_axis - (role.head_axis > t),
-                               batch_axis=role.batch_axis)
-        scale_chunk = layout.chunk_shape(scale_shape, scale_shard, scale_sharded, 4,
-                                         scale_role, options.chunk_bytes,
-                                         options.heads_per_chunk)
-        scale_name = f"{name}@scale"
-        sarr = _open_array(store, scale_name, scale_shape, np.dtype(np.float32),
-                           scale_chunk, options,
-                           _dimension_names(len(shape), role, drop_token_axis=True))
-        futures += _write_shards(sarr, scale, scale_shape)
-        pending.append(ArrayEntry(
-            name=scale_name, role="scale", dtype="float32", shape=scale_shape,
-            stored_dtype="float32", stored_shape=scale_shape, token_axis=None,
-            head_axis=scale_role.head_axis, trim="none", quantization="none",
-            chunk_shape=scale_chunk))
-    for f in futures:
-      f.result()
-    blobs = store.read_all()
-  finally:
-    store.close()
+          name=scale_name, role="scale", dtype="float32", shape=scale_shape,
+          stored_dtype="float32", stored_shape=scale_shape, token_axis=None,
+          head_axis=scale_role.head_axis, trim="none", quantization="none",
+          chunk_shape=scale_chunk))
+  blobs, crcs = writer.finish()
 
   arrays = []
   for entry in pending:
     prefix = entry.name + "/"
-    chunks = tuple(ChunkEntry(key=k, nbytes=len(v), crc32c=crc32c(v))
-                   for k, v in sorted(blobs.items()) if k.startswith(prefix))
+    chunks = tuple(ChunkEntry(key=k, nbytes=len(v), crc32c=crcs[k])
+                   for k, v in blobs.items() if k.startswith(prefix))
     arrays.append(dataclasses.replace(entry, chunks=chunks))
   return EncodedGroup(entry=LayerEntry(index=layer_index, kind=kind, arrays=tuple(arrays)),
                       blobs=blobs)
@@ -295,7 +343,7 @@ def encode_state(state: Any, dest: KvStoreLike, *, model_id: str, config_fingerp
     process_count = jax.process_count()
   manifest_key = (MANIFEST_KEY if process_count == 1
                   else partial_manifest_key(process_index, process_count))
-  kv = open_kvstore(dest)
+  kv = codec_kvstore(dest)
   kv.write(manifest_key, None).result()
   if token_count is None:
     token_count = token_count_of(state)

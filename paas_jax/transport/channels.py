@@ -38,14 +38,16 @@ def make_channels(target: str, count: int, *, max_message_bytes: int = DEFAULT_M
 
 def make_server(*, max_workers: int, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                 maximum_concurrent_rpcs: int | None = None,
-                extra_options: Sequence[tuple[str, object]] = ()) -> grpc.Server:
+                extra_options: Sequence[tuple[str, object]] = (),
+                interceptors: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
   """A sync gRPC server. Each Push stream holds one worker thread for its
   lifetime, so ``max_workers`` bounds concurrent transfers x streams; RPCs
   beyond ``maximum_concurrent_rpcs`` get RESOURCE_EXHAUSTED instead of queueing."""
   return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                 thread_name_prefix="state-rx"),
                      options=message_options(max_message_bytes) + list(extra_options),
-                     maximum_concurrent_rpcs=maximum_concurrent_rpcs)
+                     maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+                     interceptors=list(interceptors))
 
 
 def add_port(server: grpc.Server, address: str,

@@ -29,8 +29,8 @@ from typing import Any, Callable, Mapping
 import grpc
 
 from paas_jax.codec import layout
-from paas_jax.codec.decode import (ShardingsLike, assemble, check_template, restore_from_store,
-                                   restore_group)
+from paas_jax.codec.decode import (ShardingsLike, _restore_group, _Template, assemble,
+                                   check_template, restore_from_store)
 from paas_jax.codec.errors import CodecError
 from paas_jax.codec.manifest import GLOBAL_LAYER_INDEX, LayerEntry, StateManifest
 from paas_jax.codec.options import CodecOptions
@@ -139,6 +139,16 @@ class _Refused(_Failed):
   """Refuses one RPC but leaves the transfer as it is."""
 
 
+def _restore_layer(t: "_Inbound", store: MemoryStore, entry: LayerEntry, like: Any,
+                   shardings: ShardingsLike) -> dict[str, Any]:
+  """``restore_group``, reusing the transfer's indexed template."""
+  cached = t.template_index
+  if cached is None or cached[0] is not like or cached[1] is not shardings:
+    cached = (like, shardings, _Template(like, shardings))
+    t.template_index = cached
+  return _restore_group(store, entry, cached[2])
+
+
 class _Inbound:
   """One transfer in progress. Guarded by its own lock (chunk handling) and
   by the receiver's lock (registry and budget)."""
@@ -160,6 +170,9 @@ class _Inbound:
     self.flushed: set[int] = set()
     self.store: MemoryStore | None = MemoryStore()
     self.restores: dict[int, futures.Future] = {}
+    # (like, shardings, _Template): the template indexed by leaf name once per
+    # transfer rather than once per restored layer.
+    self.template_index: tuple | None = None
     self.attempts: collections.Counter = collections.Counter()
     self.first_byte: float | None = None
     self.last_byte: float | None = None
@@ -279,6 +292,7 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
       t.store.close()
       t.store = None
     t.template = None
+    t.template_index = None
     self._active.pop(t.info.transfer_id, None)
 
   def _fail(self, t: _Inbound, code: grpc.StatusCode, message: str) -> bool:
@@ -547,7 +561,8 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
       t.layers_complete[layer] = time.time()
       if t.template is not None and t.status != "failed":
         like, shardings = t.template
-        t.restores[layer] = self._pool.submit(restore_group, t.store, entry, like, shardings)
+        t.restores[layer] = self._pool.submit(_restore_layer, t, t.store, entry, like,
+                                              shardings)
 
   def Commit(self, request, context):
     t = None
@@ -646,15 +661,19 @@ class ReceiverServer:
 def serve_receiver(receiver: StateReceiver, address: str = "127.0.0.1:0", *,
                    credentials: grpc.ServerCredentials | None = None,
                    max_workers: int = 32,
-                   maximum_concurrent_rpcs: int | None = None) -> ReceiverServer:
+                   maximum_concurrent_rpcs: int | None = None,
+                   interceptors=()) -> ReceiverServer:
   """Starts a gRPC server for ``receiver`` on ``address`` (port 0: any free port).
 
   ``credentials`` (e.g. ``grpc.ssl_server_credentials`` with client-cert
-  checking for mTLS) secures the port; None serves plaintext.
+  checking for mTLS) secures the port; None serves plaintext. ``interceptors``
+  (e.g. ``paas_jax.security.PeerIdentityInterceptor``: only prefill servers
+  may push states) run before the servicer.
   """
   server = channels.make_server(max_workers=max_workers,
                                 max_message_bytes=receiver.options.max_message_bytes,
-                                maximum_concurrent_rpcs=maximum_concurrent_rpcs)
+                                maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+                                interceptors=interceptors)
   transport_pb2_grpc.add_StateTransferServicer_to_server(receiver, server)
   port = channels.add_port(server, address, credentials)
   server.start()

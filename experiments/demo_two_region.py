@@ -66,6 +66,29 @@ flags.DEFINE_string("workdir", "runs/demo", "Logs and readiness files of the pro
 flags.DEFINE_string("compilation_cache", None, "XLA compilation cache (default "
                     "$PAAS_JAX_COMPILATION_CACHE or runs/.jax_cache; 'none': off).")
 flags.DEFINE_bool("progress", True, "Show progress bars.")
+flags.DEFINE_enum("router", "adaptive", ["static", "adaptive"],
+                  "Broker routing: static l > t, or the adaptive PrfaasRouter (section 3.4.3) "
+                  "on a live ClusterView with both regions' prefix caches.")
+flags.DEFINE_integer("prefix_block", 64, "Hybrid prefix cache block (tokens) in both regions; "
+                     "0: no prefix cache.")
+flags.DEFINE_integer("shared_prefix_tokens", 0, "Shared-prefix workload: every prompt starts "
+                     "with the same N tokens (a system prompt), then its own tokens.")
+
+flags.DEFINE_bool("tls", True, "Mutual TLS between broker and regions and TLS + a bearer "
+                  "token at the broker (a local CA and token in <workdir>/certs); --notls "
+                  "runs every process with an explicit --insecure.")
+flags.DEFINE_enum("fault", "none", ["none", "kill_prefill", "kill_decode", "drop_link",
+                                    "stall_link", "corrupt_chunks"],
+                  "Inject a fault: kill_prefill: region A exits in the middle of its first "
+                  "state transfer (the broker re-prefills elsewhere; restarted after "
+                  "--fault_duration_s); kill_decode: SIGKILL region B at --fault_at_s (its "
+                  "requests fail with UNAVAILABLE; restarted after --fault_duration_s); "
+                  "drop_link / stall_link: the WAN link resets / stalls for "
+                  "--fault_duration_s; corrupt_chunks: 3 state chunks are corrupted on the wire.")
+flags.DEFINE_float("fault_at_s", 1.0, "When kill_decode / drop_link / stall_link strike "
+                   "(seconds after the first request).")
+flags.DEFINE_float("fault_duration_s", 3.0, "Outage length, or how long a killed server "
+                   "stays down.")
 
 PAPER_LO, PAPER_HI, PAPER_T = 128.0, 128.0 * 1024, 19.4 * 1024
 
@@ -100,19 +123,23 @@ def make_workload(config, n: int, max_new: int, context: int, seed: int):
   lengths = np.clip(np.round(dist.sample(rng, n)), 1, hi).astype(int)
   arrivals = np.cumsum(rng.exponential(1.0 / FLAGS.rate, n))
   arrivals -= arrivals[0]
+  shared = min(max(FLAGS.shared_prefix_tokens, 0), hi - 1)
+  prefix = rng.integers(0, config.vocab_size, shared).tolist() if shared else []
   reqs = []
   for i, length in enumerate(lengths):
     greedy = i % 2 == 0
-    reqs.append(Req(index=i, prompt=rng.integers(0, config.vocab_size, int(length)).tolist(),
+    own = max(1, min(int(length), hi - shared))
+    reqs.append(Req(index=i,
+                    prompt=prefix + rng.integers(0, config.vocab_size, own).tolist(),
                     temperature=0.0 if greedy else 0.8, top_k=0 if greedy else 40,
                     top_p=1.0 if greedy else 0.95, seed=int(rng.integers(0, 2**31 - 1)),
                     arrival_s=float(arrivals[i])))
   return reqs, dist, scale
 
 
-def run_workload(address: str, reqs: list[Req], max_new: int, bar) -> float:
+def run_workload(address: str, reqs: list[Req], max_new: int, bar, credentials=None) -> float:
   from paas_jax.client import BrokerClient, GenerationError  # pylint: disable=g-import-not-at-top
-  client = BrokerClient(address, timeout_s=300)
+  client = BrokerClient(address, timeout_s=300, credentials=credentials)
   lock = threading.Lock()
 
   def one(r: Req):
@@ -144,6 +171,34 @@ def run_workload(address: str, reqs: list[Req], max_new: int, bar) -> float:
   wall = time.perf_counter() - t0
   client.close()
   return wall
+
+
+def inject_fault(cluster, log: list[str]) -> None:
+  """Runs --fault against the running cluster (on its own thread)."""
+  fault, at, down = FLAGS.fault, FLAGS.fault_at_s, FLAGS.fault_duration_s
+  t0 = time.perf_counter()
+
+  def note(text):
+    log.append(f"{time.perf_counter() - t0:6.2f} s: {text}")
+
+  if fault == "kill_prefill":
+    # The prefill server kills itself in its first state transfer.
+    code = cluster.procs["prefill"].popen.wait()
+    note(f"region A (prefill) died mid-transfer, exit status {code}")
+    time.sleep(down)
+    cluster.restart("prefill", drop_prefix="--faults")
+    note("region A restarted on its old port (rejoins through health checks)")
+  elif fault == "kill_decode":
+    time.sleep(at)
+    note(f"SIGKILL region B (decode): exit status {cluster.kill('decode')}")
+    time.sleep(down)
+    cluster.restart("decode")
+    note("region B restarted on its old ports")
+  elif fault in ("drop_link", "stall_link"):
+    from paas_jax.security.faults import FlakyLink  # pylint: disable=g-import-not-at-top
+    time.sleep(at)
+    cluster.wan.outage(down, FlakyLink.CUT if fault == "drop_link" else FlakyLink.BLACKHOLE)
+    note(f"WAN link {'reset' if fault == 'drop_link' else 'stalled'} for {down:g} s")
 
 
 def compute_reference(reqs: list[Req], max_new: int, bar) -> None:
@@ -193,11 +248,12 @@ def link_report(stats: dict | None, spec: LinkSpec) -> dict:
   return out
 
 
-def _server_stats(address: str, stub_name: str) -> dict:
+def _server_stats(cluster, name: str, stub_name: str) -> dict:
   import grpc  # pylint: disable=g-import-not-at-top
   from paas_jax.proto import serving_pb2, serving_pb2_grpc  # pylint: disable=g-import-not-at-top
   try:
-    with grpc.insecure_channel(address) as ch:
+    # As the broker: with TLS, only the broker's certificate may call the regions.
+    with cluster.channel(name, as_role="broker") as ch:
       stub = getattr(serving_pb2_grpc, stub_name)(ch)
       return dict(stub.GetStats(serving_pb2.StatsRequest(), timeout=10).gauges)
   except grpc.RpcError as e:
@@ -240,17 +296,28 @@ def main(argv):
   spec = ClusterSpec(config=FLAGS.config, seed=FLAGS.seed, n_slots=FLAGS.n_slots,
                      max_ctx=context, max_queue=FLAGS.max_queue, prefill_buckets=buckets,
                      threshold=threshold, link=link, netem=netem,
-                     codec_compression=FLAGS.codec,
-                     compilation_cache=FLAGS.compilation_cache)
+                     codec_compression=FLAGS.codec, router=FLAGS.router,
+                     prefix_block=FLAGS.prefix_block, rebalance_every_s=2.0,
+                     compilation_cache=FLAGS.compilation_cache, tls=FLAGS.tls,
+                     prefill_faults={"kill_prefill": "kill_after_layers=2",
+                                     "corrupt_chunks": "corrupt_chunks=3"}.get(FLAGS.fault, ""),
+                     flaky_wan=FLAGS.fault in ("drop_link", "stall_link"))
   lengths = [len(r.prompt) for r in reqs]
   print(f"model      : {config.name} (random init, seed {FLAGS.seed}), context {context}")
   print(f"workload   : {len(reqs)} requests, Poisson {FLAGS.rate:g}/s, {max_new} new tokens; "
         f"prompt lengths ~ truncated log-normal(mu={dist.mu:.2f}, sigma={dist.sigma:g}) on "
         f"[{dist.lo:.0f}, {dist.hi:.0f}] (paper x{scale:.5f}); sampled: median "
         f"{int(np.median(lengths))}, max {max(lengths)}")
-  print(f"routing    : static threshold t={threshold:g} tokens (l > t -> PrfaaS region A); "
-        f"{sum(l > threshold for l in lengths)} of {len(reqs)} go remote")
+  print(f"routing    : {FLAGS.router} router, t={threshold:g} tokens (l > t -> PrfaaS region "
+        f"A); {sum(l > threshold for l in lengths)} of {len(reqs)} longer than t; prefix "
+        f"cache block {FLAGS.prefix_block or 'off'}, shared prefix "
+        f"{FLAGS.shared_prefix_tokens} tokens")
   print(f"link A<->B : {describe(link)} via {netem}")
+  print(f"security   : " + ("mutual TLS broker<->regions and A->B, TLS + bearer token at the "
+                            "broker" if FLAGS.tls else "PLAINTEXT (--notls)"))
+  if FLAGS.fault != "none":
+    print(f"fault      : {FLAGS.fault} (at {FLAGS.fault_at_s:g} s, for "
+          f"{FLAGS.fault_duration_s:g} s)")
   print("starting   : region A (prefill), region B (decode + PD-P), WAN relay, broker "
         "(first run compiles the engines; later runs load them from the cache) ...")
   cluster = LocalCluster(spec, FLAGS.workdir)
@@ -266,16 +333,21 @@ def main(argv):
         + ", ".join(f"{k} {v:.1f} s" for k, v in startup.items() if v) + ")")
   try:
     bar = tqdm(total=len(reqs), desc="requests", unit="req") if progress else None
-    wall = run_workload(cluster.broker_address, reqs, max_new, bar)
+    fault_log: list[str] = []
+    faulter = threading.Thread(target=inject_fault, args=(cluster, fault_log), daemon=True)
+    faulter.start()
+    wall = run_workload(cluster.broker_address, reqs, max_new, bar,
+                        credentials=cluster.client_credentials())
     if bar is not None:
       bar.close()
+    faulter.join(FLAGS.fault_at_s + FLAGS.fault_duration_s + 120)
     from paas_jax.client import BrokerClient  # pylint: disable=g-import-not-at-top
-    with BrokerClient(cluster.broker_address) as c:
+    if FLAGS.router == "adaptive":
+      time.sleep(2.5)  # one more rebalancer step (every 2 s) sees the whole workload
+    with BrokerClient(cluster.broker_address, credentials=cluster.client_credentials()) as c:
       broker_stats = c.stats()
-    decode_stats = _server_stats(cluster.decode_address, "DecodeStub")
-    prefill_stats = _server_stats(
-        f"{cluster.netns.a_ip if cluster.netns else '127.0.0.1'}:"
-        f"{cluster.procs['prefill'].info['port']}", "PrefillStub")
+    decode_stats = _server_stats(cluster, "decode", "DecodeStub")
+    prefill_stats = _server_stats(cluster, "prefill", "PrefillStub")
   finally:
     cluster.stop()
   relay = cluster.relay_stats()
@@ -286,11 +358,21 @@ def main(argv):
     if bar is not None:
       bar.close()
 
+  recent = {d.get("request_id"): d for d in broker_stats.get("recent", [])}
   rows = []
   for r in reqs:
     s = r.summary
+    rec = recent.get(f"demo-{r.index:03d}", {})
     rows.append({
         "request": r.index, "prompt_tokens": len(r.prompt), "route": s.get("route", ""),
+        "input_tokens": len(r.prompt), "output_tokens": max(len(r.tokens), 1),
+        "arrival_s": r.arrival_s,
+        "route_reason": rec.get("route_reason", s.get("route_reason", "")),
+        "threshold_tokens": rec.get("threshold", s.get("threshold_tokens")),
+        "bandwidth_mode": rec.get("bandwidth_mode", ""),
+        "prefix_source": rec.get("prefix_source", ""),
+        "l_pd_cached": rec.get("l_pd_cached", 0), "l_prfaas_cached": rec.get("l_prfaas_cached", 0),
+        "cached_tokens": int(rec.get("cached_tokens", s.get("cached_tokens", 0))),
         "temperature": r.temperature, "seed": r.seed, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
         "total_s": r.total_s, "link_bytes": int(s.get("link_bytes", 0)),
         "state_bytes": int(s.get("state_bytes", 0)),
@@ -310,8 +392,36 @@ def main(argv):
   matches = [r["matches_reference"] for r in rows]
   all_match = bool(FLAGS.reference and all(m is True for m in matches) and
                    len(ok) == len(rows))
+  reasons = {}
+  for r in ok:
+    key = f"{r['route']}:{r['route_reason']}"
+    reasons[key] = reasons.get(key, 0) + 1
+  router_info = broker_stats.get("router") or {}
+  routing = {
+      "router": FLAGS.router, "base_threshold_tokens": threshold,
+      "threshold_in_force": router_info.get("threshold_tokens"),
+      "effective_thresholds": sorted({r["threshold_tokens"] for r in ok
+                                      if r["threshold_tokens"] is not None}),
+      "decisions": reasons,
+      "cross_cluster_prefix_decisions": sum(
+          1 for r in ok if r["prefix_source"] not in ("", "none", r["route"])),
+      "live_view": router_info.get("live_view"), "rebalance": router_info.get("rebalance"),
+      "router_config": router_info.get("router_config"),
+  }
+  prefix_cache = {
+      "block_tokens": FLAGS.prefix_block, "shared_prefix_tokens": FLAGS.shared_prefix_tokens,
+      "hit_tokens": int(sum(r["cached_tokens"] for r in ok)),
+      "hit_tokens_by_route": {rt: int(sum(r["cached_tokens"] for r in ok if r["route"] == rt))
+                              for rt in ("pdp", "prfaas")},
+      "requests_with_hits": sum(1 for r in ok if r["cached_tokens"] > 0),
+      "prompt_tokens": int(sum(r["prompt_tokens"] for r in ok)),
+      "decode_server": {k: v for k, v in decode_stats.items() if k.startswith("prefix")},
+      "prefill_server": {k: v for k, v in prefill_stats.items() if k.startswith("prefix")},
+  }
   report = {
       "model": config.name, "seed": FLAGS.seed, "context": context,
+      "routing": routing, "prefix_cache": prefix_cache,
+      "link_bandwidth_bps": link.bandwidth_bps, "decode_max_batch_size": FLAGS.n_slots,
       "num_requests": len(reqs), "max_new_tokens": max_new, "threshold_tokens": threshold,
       "length_distribution": {"mu": dist.mu, "sigma": dist.sigma, "lo": dist.lo,
                               "hi": dist.hi, "paper_scale": scale},
@@ -328,6 +438,16 @@ def main(argv):
       "all_tokens_match_reference": all_match if FLAGS.reference else None,
       "requests": rows,
       "total_wall_s": time.perf_counter() - t_start,
+      "security": {"tls": FLAGS.tls, "bearer_token": FLAGS.tls},
+      "fault": {"kind": FLAGS.fault, "at_s": FLAGS.fault_at_s,
+                "duration_s": FLAGS.fault_duration_s, "events": fault_log,
+                "reroutes": broker_stats.get("reroutes", 0),
+                "fallback_pdp": broker_stats.get("fallback_pdp", 0),
+                "completed": len(ok),
+                "completed_match_reference": bool(FLAGS.reference and all(
+                    r["matches_reference"] is True for r in ok)),
+                "error_codes": sorted({r["error"].split(":", 1)[0] for r in rows
+                                       if r["error"]})},
   }
   out = pathlib.Path(FLAGS.json_out)
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -363,8 +483,27 @@ def main(argv):
     print(f"decode pool      : {decode_stats['steps']:.0f} steps, mean "
           f"{decode_stats['mean_step_ms']:.2f} ms/step, mean batch "
           f"{decode_stats['mean_batch']:.2f} of {decode_stats['slots_total']:.0f} slots")
+  print(f"routing          : {FLAGS.router}, t in force {routing['threshold_in_force']}, "
+        f"decisions {json.dumps(reasons)}")
+  if routing["rebalance"]:
+    print(f"rebalancer       : {json.dumps(routing['rebalance'])}")
+  print(f"prefix cache     : {prefix_cache['hit_tokens']} hit tokens of "
+        f"{prefix_cache['prompt_tokens']} prompt tokens ({prefix_cache['requests_with_hits']} "
+        f"requests hit; by route {json.dumps(prefix_cache['hit_tokens_by_route'])})")
+  if FLAGS.fault != "none":
+    f = report["fault"]
+    for event in fault_log:
+      print(f"fault            : {event}")
+    print(f"fault outcome    : {f['reroutes']:.0f} reroutes ({f['fallback_pdp']:.0f} to PD-P), "
+          f"{report['errors']} requests failed {f['error_codes']}, completed requests "
+          f"match the reference: {json.dumps(f['completed_match_reference'])}")
   print(f"all_tokens_match_reference: {json.dumps(report['all_tokens_match_reference'])}")
   print(f"report           : {out}  (total {report['total_wall_s']:.1f} s)")
+  if FLAGS.fault == "kill_decode":
+    # Requests on the killed server fail with a clear status; the rest must be exact.
+    ok_codes = set(report["fault"]["error_codes"]) <= {"UNAVAILABLE"}
+    return 0 if ok_codes and (report["fault"]["completed_match_reference"]
+                              or not FLAGS.reference) else 1
   return 0 if (all_match or not FLAGS.reference) and not report["errors"] else 1
 
 

@@ -8,6 +8,14 @@
     print(out.tokens, out.route, out.ttft_s, out.tpot_s)
 
   python -m paas_jax.client --broker=127.0.0.1:50050 --prompt="Hello" --max_new_tokens=16
+
+Over TLS with a bearer token (a broker started with certificates and tokens)::
+
+  creds = paas_jax.security.channel_credentials("certs/ca.pem", token=token)
+  BrokerClient("127.0.0.1:50050", credentials=creds)
+
+  python -m paas_jax.client --broker=127.0.0.1:50050 --tls_ca=certs/ca.pem \
+      --api_token_file=certs/client.token --prompt="Hello"
 """
 
 from __future__ import annotations
@@ -188,8 +196,17 @@ def main(argv) -> int:
   if not f.prompt and not f.prompt_ids:
     print("error: give --prompt or --prompt_ids", file=sys.stderr)
     return 2
+  credentials = None
+  if f.tls_ca:
+    from paas_jax.security import channel_credentials, read_token  # pylint: disable=g-import-not-at-top
+    credentials = channel_credentials(f.tls_ca, f.tls_cert, f.tls_key,
+                                      token=read_token(f.api_token_file))
+  elif f.api_token_file:
+    print("error: --api_token_file needs --tls_ca (tokens never travel in plaintext)",
+          file=sys.stderr)
+    return 2
   try:
-    with BrokerClient(f.broker, timeout_s=f.timeout_s) as client:
+    with BrokerClient(f.broker, timeout_s=f.timeout_s, credentials=credentials) as client:
       stream = client.stream(
           prompt=f.prompt, prompt_ids=[int(t) for t in f.prompt_ids or []],
           max_new_tokens=f.max_new_tokens, temperature=f.temperature, top_k=f.top_k,
@@ -251,6 +268,11 @@ def _define_flags():
   flags.DEFINE_float("timeout_s", 120.0, "Deadline of the whole request.")
   flags.DEFINE_enum("show", "ids", ["ids", "text"], "Print streamed token ids or text.")
   flags.DEFINE_bool("json", False, "Print one JSON object at the end instead.")
+  flags.DEFINE_string("tls_ca", None, "CA of the broker's certificate: connect over TLS.")
+  flags.DEFINE_string("tls_cert", None, "Client certificate (brokers that require one).")
+  flags.DEFINE_string("tls_key", None, "Client certificate key.")
+  flags.DEFINE_string("api_token_file", None, "Bearer token file (default "
+                      "$PAAS_JAX_API_TOKEN when --tls_ca is given).")
 
 
 if __name__ == "__main__":

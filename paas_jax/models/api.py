@@ -195,19 +195,26 @@ def decode_step(model: Model, state: DecodeState, tokens) -> tuple[jax.Array, De
 
 
 def cached_prefill(model: Model, tokens: Sequence[int], prefix_cache: HybridPrefixCache, *,
-                   owner: str | None = None) -> tuple[jax.Array, DecodeState, int]:
+                   owner: str | None = None, capacity: int | None = None
+                   ) -> tuple[jax.Array, DecodeState, int]:
   """Prefill of one prompt that reuses and extends a ``HybridPrefixCache``.
 
   The longest cached prefix is restored; the rest is prefilled in chunks that
   end on block boundaries, so the recurrent layers' state is checkpointed every
   ``block_size`` tokens (chunked prefill is exact, see the model tests).
 
+  ``capacity`` (optional, >= len(tokens)) allocates the state once at that
+  size, so a server compiles one prefill shape per chunk bucket instead of one
+  per capacity the prompt grows through.
+
   Returns:
     (logits f32 [1, vocab] of the last prompt token, state, reused tokens).
   """
   tokens = [int(t) for t in tokens]
   _as_token_batch(tokens, model.config)  # validates ids and emptiness
-  reused, state = prefix_cache.lookup(tokens)
+  reused, state = prefix_cache.lookup(tokens, capacity=capacity)
+  if state is None and capacity is not None:
+    state = init_state(model.config, 1, max(round_up(capacity), round_up(len(tokens))))
   block = prefix_cache.block_size
   pos, logits = reused, None
   while pos < len(tokens):

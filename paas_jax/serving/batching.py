@@ -124,6 +124,9 @@ class PrefillBatcher:
           if self._stop:
             return
         continue
+      if getattr(self.engine, "prefix_cache", None) is not None:
+        self._run_cached(batch)
+        continue
       started = []
       for job in batch:
         try:
@@ -154,6 +157,35 @@ class PrefillBatcher:
           job.on_done(out)
         except BaseException:  # pylint: disable=broad-except
           log.exception("prefill on_done callback failed")
+
+  def _run_cached(self, batch: list[PrefillJob]) -> None:
+    """With a prefix cache the engine prefills one prompt at a time, so each job
+    starts (``on_start``: e.g. opens its transfer) right before its own prefill."""
+    for job in batch:
+      if job.cancelled:
+        continue
+      try:
+        if job.on_start is not None:
+          job.on_start()
+      except BaseException as e:  # pylint: disable=broad-except
+        job.on_error(e)
+        continue
+      t0 = time.perf_counter()
+      job.started = t0
+      try:
+        out = self.engine.prefill([job.input], layer_sink=self._sink([job]))[0]
+      except BaseException as e:  # pylint: disable=broad-except
+        log.exception("cached prefill failed")
+        job.on_error(e)
+        continue
+      self.busy_s += time.perf_counter() - t0
+      self.batches += 1
+      self.prompts += 1
+      self.tokens += out.prompt_len
+      try:
+        job.on_done(out)
+      except BaseException:  # pylint: disable=broad-except
+        log.exception("prefill on_done callback failed")
 
   @staticmethod
   def _sink(jobs: list[PrefillJob]):
@@ -317,7 +349,8 @@ class DecodeScheduler:
 
   def prefilled(self, job: DecodeJob, output) -> None:
     """PD-P prefill finished for ``job``."""
-    job.info.update(prefill_s=output.prefill_s, prefill_batch_size=output.batch_size)
+    job.info.update(prefill_s=output.prefill_s, prefill_batch_size=output.batch_size,
+                    prefill_cached_tokens=getattr(output, "cached_tokens", 0))
     self._provide(job.request_id, state=output.state, first_token=output.first_token,
                   info={})
 

@@ -36,12 +36,15 @@ from typing import Sequence
 import grpc
 from absl import app, flags
 
+from paas_jax.observability.health import FAST_RECONNECT, HealthMonitor
+from paas_jax.observability.logs import request_metadata
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
+from paas_jax.security import cli as security_cli
 from paas_jax.serving import common
 from paas_jax.serving.engine import (InvalidRequestError, RequestParams, make_sampling,
                                      validate_request)
-from paas_jax.serving.routing import (PDP, PRFAAS, RouteDecision, RouteRequest, RoutingPolicy,
-                                      StaticThresholdPolicy)
+from paas_jax.serving.routing import (PDP, PRFAAS, AdaptiveRouterPolicy, RouteDecision,
+                                      RouteRequest, RoutingPolicy, StaticThresholdPolicy)
 from paas_jax.serving.tokenizer import ByteTokenizer
 
 log = logging.getLogger("paas_jax.serving.broker")
@@ -49,6 +52,10 @@ log = logging.getLogger("paas_jax.serving.broker")
 SERVICE = "paas_jax.serving.v1.Broker"
 MAX_REQUEST_ID = 256
 MAX_STOP_TOKENS = 1024
+# Largest Generate request accepted on the public port (prompts of ~1M tokens).
+MAX_REQUEST_BYTES = 16 << 20
+# Tries per request: the first plus re-prefills / restarts after faults.
+MAX_ATTEMPTS = 3
 Code = grpc.StatusCode
 
 
@@ -83,6 +90,13 @@ class RequestRecord:
   prefill_s: float = 0.0
   prefill_queue_s: float = 0.0
   prefill_batch_size: int = 0
+  # Routing inputs/outputs (adaptive router) and the prefix reused by the
+  # server that prefilled (cached_tokens, as it reports it).
+  l_pd_cached: int = 0
+  l_prfaas_cached: int = 0
+  prefix_source: str = ""
+  bandwidth_mode: str = ""
+  cached_tokens: int = 0
   transfer_s: float = 0.0
   decode_queue_s: float = 0.0
   link_bytes: int = 0
@@ -92,6 +106,11 @@ class RequestRecord:
   error: str = ""
   total_s: float = 0.0
   client_gone: bool = False
+  attempts: int = 0
+  reroutes: list = dataclasses.field(default_factory=list)
+  # Tokens already sent to the client: a restarted request must reproduce
+  # them (sampling is keyed by seed and position) and only sends what follows.
+  delivered: list = dataclasses.field(default_factory=list)
   prefill_error: tuple | None = None
   prefill_done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -108,29 +127,48 @@ class RequestRecord:
         decode_queue_s=self.decode_queue_s, link_bytes=self.link_bytes,
         state_bytes=self.state_bytes, generated_tokens=self.generated,
         total_s=self.total_s, finish_reason=self.finish_reason,
-        prefill_batch_size=self.prefill_batch_size)
+        prefill_batch_size=self.prefill_batch_size, cached_tokens=self.cached_tokens,
+        prefix_source=self.prefix_source)
 
   def to_dict(self) -> dict:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-         if f.name not in ("t0", "prefill_done", "prefill_error")}
+         if f.name not in ("t0", "prefill_done", "prefill_error", "delivered")}
     d["prefill_error"] = None if self.prefill_error is None else (
         f"{self.prefill_error[0].name}: {self.prefill_error[1]}")
     return d
 
 
 class _Abort(Exception):
-  def __init__(self, code: grpc.StatusCode, message: str):
+  """Ends the request with ``code``. ``side`` says where it failed, for the
+  retry decision: "request" (the request itself: never retried), "admission"
+  (a full decode pool: not retried, that would amplify overload), "decode"
+  (the decode server), "prefill" (region A or the state transfer)."""
+
+  def __init__(self, code: grpc.StatusCode, message: str, side: str = "request"):
     super().__init__(message)
-    self.code, self.message = code, message
+    self.code, self.message, self.side = code, message, side
 
 
 class BrokerServicer(serving_pb2_grpc.BrokerServicer):
-  """Routes, drives and relays requests; see the module docstring."""
+  """Routes, drives and relays requests; see the module docstring.
+
+  Faults: every region server is health-probed (``HealthMonitor``); a failed
+  call marks its server down at once and a later successful probe brings it
+  back (a restarted server rejoins by itself). A request whose remote
+  prefill or state transfer fails before its first token reached the client
+  is prefilled again elsewhere: another healthy prefill server if there is
+  one, else locally in the PD region (PD-P). A request whose decode server
+  dies is restarted from a prefill on another healthy decode server; the
+  tokens already sent are regenerated identically (sampling is keyed by seed
+  and position) and only the rest is sent. With no healthy decode server the
+  request fails at once with UNAVAILABLE. At most ``max_attempts`` tries.
+  """
 
   def __init__(self, model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str],
                decode_targets: Sequence[DecodeTarget], tokenizer=None,
                channel_credentials: grpc.ChannelCredentials | None = None,
-               codec_json: str = "", recent_kept: int = 512):
+               codec_json: str = "", recent_kept: int = 512, metrics=None,
+               max_attempts: int = MAX_ATTEMPTS, health_interval_s: float = 1.0):
     if not decode_targets:
       raise ValueError("the broker needs at least one decode server")
     self.config = model_config
@@ -141,11 +179,23 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       self.tokenizer = ByteTokenizer(model_config.vocab_size)
     self.prefill_targets = list(prefill_targets)
     self.decode_targets = list(decode_targets)
-    self._prefill_stubs = [serving_pb2_grpc.PrefillStub(common.make_channel(t, channel_credentials))
-                           for t in self.prefill_targets]
-    self._decode_stubs = [serving_pb2_grpc.DecodeStub(common.make_channel(t.control,
-                                                                          channel_credentials))
-                          for t in self.decode_targets]
+    self.metrics = metrics  # paas_jax.observability.ServingMetrics or None
+    self.max_attempts = max(1, max_attempts)
+    self._channels = [common.make_channel(t, channel_credentials, FAST_RECONNECT)
+                      for t in self.prefill_targets]
+    self._channels += [common.make_channel(t.control, channel_credentials, FAST_RECONNECT)
+                       for t in self.decode_targets]
+    self._prefill_stubs = [serving_pb2_grpc.PrefillStub(c)
+                           for c in self._channels[:len(self.prefill_targets)]]
+    self._decode_stubs = [serving_pb2_grpc.DecodeStub(c)
+                          for c in self._channels[len(self.prefill_targets):]]
+    # Probed only once start_health() runs; until then every server counts as up.
+    # Probes go over the same channels as the real calls: a server counts as
+    # back only once the channel the requests will use has reconnected.
+    addresses = self.prefill_targets + [t.control for t in self.decode_targets]
+    self.health = HealthMonitor(addresses, credentials=channel_credentials,
+                                interval_s=health_interval_s, on_change=self._on_health,
+                                channels=dict(zip(addresses, self._channels)))
     self._lock = threading.Lock()
     self._inflight: dict[str, RequestRecord] = {}
     self._load = collections.Counter()  # (kind, index) -> in-flight requests
@@ -153,13 +203,90 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     self.counters = collections.Counter()
     self._rr = itertools.count()
     self.started = time.time()
+    if metrics is not None:
+      metrics.track_queue("broker_inflight", lambda: len(self._inflight))
+    # Live ClusterView, prefix probes and the rebalancer (enable_live_view).
+    self.live = None
+    self.rebalance: dict = {}
+    self.rebalance_apply = False
+
+  def enable_live_view(self, link_bandwidth_bps: float, *, poll_s: float = 0.2,
+                       rebalance_every_s: float = 5.0, n_slots: int = 8,
+                       apply_threshold: bool = False, probe_prefix: bool = True):
+    """Starts the live ``ClusterView`` poller (``live_view.LiveClusterState``).
+
+    An ``AdaptiveRouterPolicy`` whose ``view`` is None is fed from it; the
+    broker then also probes both regions' prefix caches for each auto-routed
+    request. Every ``rebalance_every_s`` a Rebalancer step re-solves t from the
+    measured requests and the proposal goes to GetStats (``rebalance``);
+    ``apply_threshold`` also puts the proposed t into the router.
+    """
+    from paas_jax.serving.live_view import LiveClusterState  # pylint: disable=g-import-not-at-top
+    self.live = LiveClusterState(self._prefill_stubs, self._decode_stubs,
+                                 link_bandwidth_bps=link_bandwidth_bps, poll_s=poll_s)
+    self.live.probe_enabled = probe_prefix
+    if getattr(self.policy, "view", False) is None:
+      self.policy.view = self.live.view
+    self.rebalance_apply = apply_threshold
+    self._n_slots = n_slots
+    if rebalance_every_s > 0:
+      self.live.every(rebalance_every_s, self._rebalance_step)
+    self.live.start()
+    return self.live
+
+  def _rebalance_step(self) -> None:
+    from paas_jax.serving.live_view import rebalance_step  # pylint: disable=g-import-not-at-top
+    with self._lock:
+      recs = [r for r in self._recent if r.phase == "finished"]
+    rows = [{"route": r.route, "input_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+             "output_tokens": max(r.generated, 1), "prefill_s": r.prefill_s,
+             "link_bytes": r.link_bytes if r.route == PRFAAS else None} for r in recs]
+    router = getattr(self.policy, "router", None)
+    t = router.threshold_tokens if router is not None else getattr(
+        self.policy, "threshold_tokens", float("inf"))
+    prop = rebalance_step(rows, threshold=t, n_slots=self._n_slots,
+                          link_bandwidth_bps=self.live.link_bandwidth_bps)
+    prop["time"] = time.time()
+    self.rebalance = prop
+    if prop.get("status") == "ok":
+      log.info("rebalance: t %.0f -> %.0f (gain %.1f%%, apply=%s; split pinned)",
+               prop["current_threshold"], prop["proposed_threshold"],
+               100 * prop["relative_gain"], prop["apply"] and self.rebalance_apply)
+      if self.rebalance_apply and prop["apply"] and router is not None:
+        self.policy.router = router.with_threshold(
+            prop["proposed_threshold"], prfaas_service_s=max(prop["prfaas_service_s"], 1e-3),
+            pdp_service_s=max(prop["pdp_service_s"], 1e-3))
+        self.counters["rebalance_applied"] += 1
+
+  def start_health(self) -> None:
+    self.health.start()
+
+  def close(self) -> None:
+    if self.live is not None:
+      self.live.stop()
+    self.health.stop()
+    for c in self._channels:
+      c.close()
+
+  def _on_health(self, target: str, healthy: bool, reason: str) -> None:
+    self.counters["server_up" if healthy else "server_down"] += 1
 
   # -- helpers --------------------------------------------------------------------
 
-  def _pick(self, kind: str, n: int) -> int:
+  def _address(self, kind: str, index: int) -> str:
+    return (self.prefill_targets[index] if kind == "prefill"
+            else self.decode_targets[index].control)
+
+  def _pick(self, kind: str, exclude=()) -> int | None:
+    """The least loaded healthy server of ``kind`` not in ``exclude`` (None: none)."""
+    n = len(self.prefill_targets) if kind == "prefill" else len(self.decode_targets)
     with self._lock:
       start = next(self._rr)
       order = [(start + i) % n for i in range(n)]
+      order = [i for i in order if i not in exclude
+               and self.health.is_healthy(self._address(kind, i))]
+      if not order:
+        return None
       best = min(order, key=lambda i: self._load[(kind, i)])
       self._load[(kind, best)] += 1
       return best
@@ -208,6 +335,16 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       return RouteDecision(PDP, "no_prefill_region", float("inf"))
     return self.policy.decide(RouteRequest(prompt_tokens=prompt_len))
 
+  def _decide_live(self, request, prompt: list[int], rec: RequestRecord) -> RouteDecision:
+    """``_decide`` with both regions' cached prefix lengths (live view only)."""
+    if (self.live is None or not getattr(self.live, "probe_enabled", True)
+        or request.route != serving_pb2.ROUTE_AUTO or not self.prefill_targets):
+      return self._decide(request, len(prompt))
+    rec.l_pd_cached, rec.l_prfaas_cached = self.live.probe_prefix(prompt)
+    return self.policy.decide(RouteRequest(prompt_tokens=len(prompt),
+                                           cached_prefix_tokens=rec.l_pd_cached,
+                                           prfaas_cached_tokens=rec.l_prfaas_cached))
+
   @staticmethod
   def _sampling_msg(params: RequestParams) -> serving_pb2.SamplingParams:
     s = params.sampling
@@ -241,31 +378,43 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
           call.cancel()
     context.add_callback(on_rpc_done)
     self.counters["requests"] += 1
+    outcome = "CANCELLED"
     try:
       try:
-        decision = self._decide(request, len(prompt))
+        decision = self._decide_live(request, prompt, rec)
       except InvalidRequestError as e:
         raise _Abort(Code.INVALID_ARGUMENT, str(e)) from None
       rec.route, rec.route_reason = decision.route, decision.reason
       rec.threshold = decision.threshold_tokens
+      rec.prefix_source = getattr(decision, "prefix_source", "none")
+      rec.bandwidth_mode = getattr(decision, "bandwidth_mode", "")
       rec.phase = "routed"
       self.counters[f"route_{decision.route}"] += 1
-      if decision.route == PRFAAS:
-        yield from self._remote(rec, prompt, params, calls, context)
-      else:
-        yield from self._local(rec, prompt, params, calls, context)
+      if self.metrics is not None:
+        self.metrics.observe_route(decision.route, decision.reason)
+      yield from self._serve(rec, prompt, params, calls, context)
+      if rec.phase == "finished":
+        outcome = "OK"
+        log.info("request finished", extra={
+            "request_id": rid, "route": rec.route, "tokens": len(rec.delivered),
+            "attempts": rec.attempts, "ttft_s": round(rec.first_token_s, 4),
+            "total_s": round(rec.elapsed(), 4), "prefill_server": rec.prefill_server,
+            "decode_server": rec.decode_server})
     except _Abort as e:
       rec.error = f"{e.code.name}: {e.message}"
+      outcome = e.code.name
       if not rec.client_gone:
         rec.phase = "failed"
         self.counters["failed"] += 1
+        log.warning("request %s failed: %s", rid, rec.error, extra={"request_id": rid})
         context.abort(e.code, e.message)
     except Exception as e:  # pylint: disable=broad-except
       # A bug, not a request error: report it as INTERNAL with a message
       # instead of a bare traceback.
-      log.exception("request %s failed", rid)
+      log.exception("request %s failed", rid, extra={"request_id": rid})
       rec.error = f"INTERNAL: {e!r}"
       rec.phase = "failed"
+      outcome = "INTERNAL"
       self.counters["failed"] += 1
       context.abort(Code.INTERNAL, f"broker error: {e!r}")
     finally:
@@ -275,125 +424,231 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         self._recent.append(rec)
       if rec.client_gone:
         self.counters["cancelled"] += 1
+      if self.metrics is not None:
+        n = len(rec.delivered)
+        tpot = ((rec.total_s - rec.first_token_s) / (n - 1)
+                if outcome == "OK" and n > 1 else None)
+        self.metrics.observe_request(rec.route or "none", outcome, tpot_s=tpot,
+                                     total_s=rec.total_s)
+
+  def _serve(self, rec: RequestRecord, prompt, params, calls, context):
+    """Runs the request, re-prefilling / restarting it after faults (class docstring)."""
+    route = rec.route
+    bad_prefill: set[int] = set()
+    bad_decode: set[int] = set()
+    attempt = 0
+    while True:
+      downstream_id = rec.downstream_id if attempt == 0 else f"{rec.downstream_id}~{attempt}"
+      rec.attempts = attempt + 1
+      rec.prefill_error = None
+      rec.prefill_done = threading.Event()
+      pi = None
+      if route == PRFAAS:
+        pi = self._pick("prefill", bad_prefill)
+        if pi is None:
+          route = self._reroute(rec, PDP, "no healthy prefill server", fallback=True)
+      di = self._pick("decode", bad_decode)
+      if di is None:
+        if pi is not None:
+          self._release("prefill", pi)
+        raise _Abort(Code.UNAVAILABLE, "no healthy decode server in the PD region"
+                     + (f" (after: {rec.reroutes[-1]})" if rec.reroutes else ""), "decode")
+      try:
+        if route == PRFAAS:
+          yield from self._remote_once(rec, prompt, params, calls, context, downstream_id,
+                                       di, pi)
+        else:
+          yield from self._local(rec, prompt, params, calls, context, downstream_id, di)
+        return
+      except _Abort as e:
+        if e.code == Code.UNAVAILABLE and not rec.client_gone:
+          # Its connection broke: out of routing until a health probe (over the
+          # same channel) succeeds again.
+          if e.side == "decode":
+            self.health.mark_down(self._address("decode", di), e.message)
+          elif e.side == "prefill" and pi is not None:
+            self.health.mark_down(self._address("prefill", pi), e.message)
+        if not self._retryable(rec, e, context) or attempt + 1 >= self.max_attempts:
+          raise
+        attempt += 1
+        calls.clear()
+        if e.side == "decode":
+          # The decode server went away: restart from a prefill on another one
+          # (remote again if that was the route).
+          bad_decode.add(di)
+          self._reroute(rec, route, f"decode server down: {e.code.name}")
+        else:
+          if pi is not None:
+            bad_prefill.add(pi)
+          others = [i for i in range(len(self.prefill_targets)) if i not in bad_prefill
+                    and self.health.is_healthy(self._address("prefill", i))]
+          route = self._reroute(rec, PRFAAS if others else PDP,
+                                f"prefill/transfer failed: {e.code.name}",
+                                fallback=not others)
+      finally:
+        self._release("decode", di)
+        if pi is not None:
+          self._release("prefill", pi)
+
+  def _retryable(self, rec: RequestRecord, e: _Abort, context) -> bool:
+    if rec.client_gone or e.side in ("request", "admission"):
+      return False
+    if e.code == Code.INVALID_ARGUMENT:
+      return False
+    if e.code == Code.RESOURCE_EXHAUSTED and e.side != "prefill":
+      return False  # a full decode pool: retrying elsewhere would amplify overload
+    if common.remaining_s(context) < 0.5:
+      return False  # the client's own deadline: nothing left to retry with
+    if e.side == "decode":
+      # Restart from a prefill elsewhere; needs another healthy decode server.
+      return e.code == Code.UNAVAILABLE and any(
+          i != self._decode_index(rec) and self.health.is_healthy(t.control)
+          for i, t in enumerate(self.decode_targets))
+    return not rec.delivered  # prefill side: before any token reached the client
+
+  def _decode_index(self, rec: RequestRecord) -> int:
+    for i, t in enumerate(self.decode_targets):
+      if t.control == rec.decode_server:
+        return i
+    return -1
+
+  def _reroute(self, rec: RequestRecord, route: str, cause: str, fallback: bool = False) -> str:
+    rid = rec.request_id
+    log.warning("request %s: %s; retrying (%s)", rid, cause, route, extra={"request_id": rid})
+    rec.reroutes.append(f"{cause} -> {route}")
+    self.counters["reroutes"] += 1
+    if fallback and route == PDP:
+      self.counters["fallback_pdp"] += 1
+      if "fallback" not in rec.route_reason:
+        rec.route_reason += f";fallback:{cause}"
+    if self.metrics is not None:
+      self.metrics.observe_reroute(cause, route)
+    rec.route = route
+    rec.phase = "rerouted"
+    rec.prefill_done.set()
+    return route
 
   def _decode_request(self, rec, prompt, params, remote: bool,
-                      downstream_id: str | None = None) -> serving_pb2.DecodeRequest:
+                      downstream_id: str) -> serving_pb2.DecodeRequest:
     return serving_pb2.DecodeRequest(
-        request_id=downstream_id or rec.downstream_id, model=self.config.name,
+        request_id=downstream_id, model=self.config.name,
         prompt_ids=[] if remote else prompt, remote_prefill=remote, prompt_len=len(prompt),
         sampling=self._sampling_msg(params), seed=params.seed,
         max_new_tokens=params.max_new_tokens, stop_tokens=list(params.stop_tokens))
 
-  def _local(self, rec, prompt, params, calls, context, downstream_id: str | None = None):
-    di = self._pick("decode", len(self._decode_stubs))
+  def _local(self, rec, prompt, params, calls, context, downstream_id: str, di: int):
+    rec.decode_server = self.decode_targets[di].control
+    rec.prefill_server = rec.decode_server
+    rec.phase = "prefilling"
     try:
-      rec.decode_server = self.decode_targets[di].control
-      rec.prefill_server = rec.decode_server
-      rec.phase = "prefilling"
       dcall = self._decode_stubs[di].Decode(
           self._decode_request(rec, prompt, params, False, downstream_id),
-          timeout=common.remaining_s(context))
-      calls["decode"] = dcall
-      if rec.client_gone:
-        dcall.cancel()
-      yield from self._relay(rec, dcall, context)
-    finally:
-      self._release("decode", di)
+          timeout=common.remaining_s(context), metadata=request_metadata(rec.request_id))
+    except grpc.RpcError as e:
+      raise self._downstream_error(rec, e, "decode server") from None
+    calls["decode"] = dcall
+    if rec.client_gone:
+      dcall.cancel()
+    yield from self._relay(rec, dcall, context)
 
-  def _remote(self, rec, prompt, params, calls, context):
-    """PrfaaS route; falls back to PD-P if region A is unreachable before any token."""
+  def _remote_once(self, rec, prompt, params, calls, context, downstream_id: str, di: int,
+                   pi: int):
+    target = self.decode_targets[di]
+    rec.decode_server = target.control
+    rec.prefill_server = self.prefill_targets[pi]
+    md = request_metadata(rec.request_id)
+    dcall = self._decode_stubs[di].Decode(
+        self._decode_request(rec, prompt, params, True, downstream_id),
+        timeout=common.remaining_s(context), metadata=md)
+    calls["decode"] = dcall
     try:
-      yield from self._remote_once(rec, prompt, params, calls, context)
-    except _Abort as e:
-      unreachable = (rec.prefill_error is not None
-                     and rec.prefill_error[0] == Code.UNAVAILABLE)
-      if not unreachable or rec.generated or rec.client_gone:
-        raise
-      log.warning("request %s: prefill region unreachable (%s); prefilling locally",
-                  rec.request_id, e.message)
-      self.counters["fallback_pdp"] += 1
-      calls.clear()
-      rec.route = PDP
-      rec.route_reason += ";fallback:prefill_region_unavailable"
-      rec.prefill_error = None
-      rec.prefill_done.set()
-      # A fresh downstream id: the cancelled remote registration may still be
-      # draining at the decode server.
-      yield from self._local(rec, prompt, params, calls, context,
-                             downstream_id=f"{rec.downstream_id}~pdp")
-
-  def _remote_once(self, rec, prompt, params, calls, context):
-    di = self._pick("decode", len(self._decode_stubs))
-    pi = self._pick("prefill", len(self._prefill_stubs))
-    follower = None
+      accepted = next(dcall)  # admission control before any prefill work
+    except grpc.RpcError as e:
+      err = self._downstream_error(rec, e, "decode server")
+      if err.code != Code.UNAVAILABLE:
+        err.side = "admission"
+      raise err from None
+    except StopIteration:
+      raise _Abort(Code.INTERNAL, "decode server closed the stream before accepting")
+    if not accepted.accepted:
+      raise _Abort(Code.INTERNAL, "decode server answered without accepting the request")
+    rec.phase = "prefilling"
+    preq = serving_pb2.PrefillRequest(
+        request_id=downstream_id, model=self.config.name, prompt_ids=prompt,
+        sampling=self._sampling_msg(params), seed=params.seed,
+        decode_target=target.transfer, codec_json=self.codec_json)
+    pcall = self._prefill_stubs[pi].Prefill(preq, timeout=common.remaining_s(context),
+                                            metadata=md)
+    calls["prefill"] = pcall
+    if rec.client_gone:
+      pcall.cancel()
+      dcall.cancel()
+    follower = threading.Thread(target=self._follow_prefill,
+                                args=(rec, pcall, dcall, self._decode_stubs[di],
+                                      downstream_id, rec.prefill_done),
+                                name=f"prefill-{rec.request_id[:8]}", daemon=True)
+    follower.start()
     try:
-      target = self.decode_targets[di]
-      rec.decode_server = target.control
-      rec.prefill_server = self.prefill_targets[pi]
-      dcall = self._decode_stubs[di].Decode(self._decode_request(rec, prompt, params, True),
-                                            timeout=common.remaining_s(context))
-      calls["decode"] = dcall
-      try:
-        accepted = next(dcall)  # admission control before any prefill work
-      except grpc.RpcError as e:
-        raise self._downstream_error(rec, e, "decode server") from None
-      except StopIteration:
-        raise _Abort(Code.INTERNAL, "decode server closed the stream before accepting")
-      if not accepted.accepted:
-        raise _Abort(Code.INTERNAL, "decode server answered without accepting the request")
-      rec.phase = "prefilling"
-      preq = serving_pb2.PrefillRequest(
-          request_id=rec.downstream_id, model=self.config.name, prompt_ids=prompt,
-          sampling=self._sampling_msg(params), seed=params.seed,
-          decode_target=target.transfer, codec_json=self.codec_json)
-      pcall = self._prefill_stubs[pi].Prefill(preq, timeout=common.remaining_s(context))
-      calls["prefill"] = pcall
-      if rec.client_gone:
-        pcall.cancel()
-        dcall.cancel()
-      follower = threading.Thread(target=self._follow_prefill,
-                                  args=(rec, pcall, dcall, self._decode_stubs[di]),
-                                  name=f"prefill-{rec.request_id[:8]}", daemon=True)
-      follower.start()
       yield from self._relay(rec, dcall, context)
-    finally:
-      self._release("decode", di)
-      self._release("prefill", pi)
+    except _Abort:
+      pcall.cancel()  # never leave region A working for a failed attempt
+      raise
 
-  def _follow_prefill(self, rec: RequestRecord, pcall, dcall, dstub) -> None:
+  def _follow_prefill(self, rec: RequestRecord, pcall, dcall, dstub, downstream_id: str,
+                      done: threading.Event) -> None:
     """Reads the Prefill stream: hands the first token over, records link stats."""
+    md = request_metadata(rec.request_id)
+    live, sent = self.live, {}
+    if live is not None:
+      live.transfer_started(downstream_id, rec.prompt_tokens)
     try:
       for ev in pcall:
         if ev.HasField("first_token"):
           ft = ev.first_token
           rec.prefill_s, rec.prefill_queue_s = ft.prefill_s, ft.queue_s
           rec.prefill_batch_size = ft.batch_size
+          rec.cached_tokens = ft.cached_tokens
           rec.phase = "transferring"
-          dstub.Handoff(serving_pb2.HandoffRequest(request_id=rec.downstream_id,
+          dstub.Handoff(serving_pb2.HandoffRequest(request_id=downstream_id,
                                                    first_token=ft.token_id),
-                        timeout=common.CONTROL_TIMEOUT_S)
+                        timeout=common.CONTROL_TIMEOUT_S, metadata=md)
         elif ev.HasField("done"):
           d = ev.done
           rec.transfer_s, rec.link_bytes, rec.state_bytes = (d.transfer_s, d.bytes_sent,
                                                              d.state_bytes)
+          sent.update(nbytes=d.bytes_sent, duration_s=d.transfer_s)
     except grpc.RpcError as e:
-      if not rec.client_gone and rec.phase not in ("finished", "failed"):
+      if (not rec.client_gone and rec.phase not in ("finished", "failed", "rerouted")
+          and done is rec.prefill_done):
         rec.prefill_error = (common.rpc_code(e), common.rpc_details(e))
         dcall.cancel()  # wakes the relay, which reports prefill_error
     finally:
-      rec.prefill_done.set()
+      if live is not None:
+        live.transfer_finished(downstream_id, prompt_tokens=rec.prompt_tokens, **sent)
+      done.set()
 
   def _downstream_error(self, rec: RequestRecord, e: grpc.RpcError, who: str) -> _Abort:
     code, details = common.rpc_code(e), common.rpc_details(e)
-    if code == Code.CANCELLED and rec.prefill_error is not None:
+    if code == Code.UNAVAILABLE:
+      # The decode server's connection broke (or it is shutting down).
+      return _Abort(code, f"{who} {rec.decode_server} is unavailable: {details}", "decode")
+    if rec.prefill_error is not None and code == Code.CANCELLED:
+      # The prefill side failed first; the follower cancelled the decode stream.
       pcode, pdetails = rec.prefill_error
-      return _Abort(pcode, f"prefill server: {pdetails}")
-    return _Abort(code, f"{who}: {details}")
+      return _Abort(pcode, f"prefill server {rec.prefill_server}: {pdetails}", "prefill")
+    if code in (Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED):
+      return _Abort(code, f"{who}: {details}", "request")
+    # e.g. a state transfer that failed on the decode side (DATA_LOSS, CANCELLED,
+    # DEADLINE_EXCEEDED): the prefill path's fault.
+    return _Abort(code, f"{who}: {details}", "prefill" if rec.route == PRFAAS else "decode")
 
   def _relay(self, rec: RequestRecord, dcall, context):
-    """Forwards the decode stream to the client."""
+    """Forwards the decode stream to the client. After a restart, the tokens the
+    client already has are checked against the regenerated ones, not resent."""
     decoder = self.tokenizer.decoder() if self.tokenizer is not None else None
-    first = True
+    replay = list(rec.delivered)
+    if decoder is not None and replay:
+      decoder.feed(replay)
     try:
       for ev in dcall:
         if ev.accepted:
@@ -403,17 +658,29 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
           if rec.route == PDP:
             rec.prefill_s, rec.prefill_queue_s = ev.prefill_s, ev.prefill_queue_s
             rec.prefill_batch_size = ev.prefill_batch_size
+            rec.cached_tokens = ev.prefill_cached_tokens
+          continue
+        tokens = list(ev.token_ids)
+        while replay and tokens:
+          if tokens[0] != replay[0]:
+            raise _Abort(Code.ABORTED, "the restarted request diverged from the tokens "
+                         "already sent; retry the request")
+          tokens.pop(0)
+          replay.pop(0)
+        if not tokens and not ev.finished:
           continue
         out = serving_pb2.GenerateResponse(request_id=rec.request_id)
-        out.token_ids.extend(ev.token_ids)
-        rec.generated += len(ev.token_ids)
-        if decoder is not None and ev.token_ids:
-          out.text = decoder.feed(list(ev.token_ids))
-        if first and ev.token_ids:
-          first = False
+        out.token_ids.extend(tokens)
+        rec.delivered.extend(tokens)
+        rec.generated = len(rec.delivered)
+        if decoder is not None and tokens:
+          out.text = decoder.feed(tokens)
+        if tokens and not rec.first_token_s:
           rec.first_token_s = rec.elapsed()
           rec.phase = "decoding"
           out.summary.CopyFrom(rec.summary())
+          if self.metrics is not None:
+            self.metrics.observe_first_token(rec.route, rec.first_token_s)
         if ev.finished:
           rec.finish_reason = ev.finish_reason
           if rec.route == PRFAAS:
@@ -430,6 +697,10 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     except grpc.RpcError as e:
       if rec.client_gone:
         return
+      if rec.route == PRFAAS and rec.prefill_error is None:
+        # The decode stream failed; if the prefill stream is failing too, let
+        # it finish briefly, so the error names the real cause.
+        rec.prefill_done.wait(timeout=2.0)
       raise self._downstream_error(rec, e, "decode server") from None
     if rec.client_gone:
       return
@@ -449,7 +720,17 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     return serving_pb2.StatsResponse(server="broker", gauges=gauges, json=json.dumps({
         "model": self.config.name, "prefill": self.prefill_targets,
         "decode": [dataclasses.asdict(t) for t in self.decode_targets],
-        "inflight": inflight, "recent": recent}))
+        "inflight": inflight, "recent": recent, "router": self.router_info()}))
+
+  def router_info(self) -> dict:
+    """The policy in force, its threshold, the live view and the last rebalance."""
+    router = getattr(self.policy, "router", None)
+    t = (router.threshold_tokens if router is not None
+         else getattr(self.policy, "threshold_tokens", None))
+    return {"policy": type(self.policy).__name__, "threshold_tokens": t,
+            "router_config": dataclasses.asdict(router.config) if router is not None else None,
+            "live_view": self.live.snapshot() if self.live is not None else None,
+            "rebalance": self.rebalance}
 
 
 class BrokerServer:
@@ -464,20 +745,39 @@ class BrokerServer:
 
   def stop(self) -> None:
     self.control.stop(0.5)
+    self.servicer.close()
 
 
 def start(model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str],
           decode_targets: Sequence[DecodeTarget], host: str = "127.0.0.1", port: int = 0,
           credentials: grpc.ServerCredentials | None = None, interceptors=(),
           channel_credentials: grpc.ChannelCredentials | None = None, tokenizer=None,
-          codec_json: str = "", max_workers: int = 256) -> BrokerServer:
+          codec_json: str = "", max_workers: int = 256, security=None, metrics=None,
+          max_attempts: int = MAX_ATTEMPTS, health_interval_s: float = 1.0,
+          max_request_bytes: int = MAX_REQUEST_BYTES) -> BrokerServer:
+  """Starts the broker's public port.
+
+  ``security`` (a ``paas_jax.security.ServiceSecurity`` of role broker): TLS
+  on the public port with the bearer-token check, and mutual TLS with this
+  broker's certificate to the regions; it overrides ``credentials`` and
+  ``channel_credentials``. ``metrics`` records RPCs, routing, TTFT/TPOT and
+  reroutes. Past ``max_workers`` concurrent calls, RESOURCE_EXHAUSTED.
+  """
+  from paas_jax.security.hooks import server_interceptors  # pylint: disable=g-import-not-at-top
+  if security is not None:
+    credentials = security.server_credentials()
+    channel_credentials = security.channel_credentials()
   servicer = BrokerServicer(model_config, policy, prefill_targets=prefill_targets,
                             decode_targets=decode_targets, tokenizer=tokenizer,
-                            channel_credentials=channel_credentials, codec_json=codec_json)
+                            channel_credentials=channel_credentials, codec_json=codec_json,
+                            metrics=metrics, max_attempts=max_attempts,
+                            health_interval_s=health_interval_s)
   control = common.start_server(
       f"{host}:{port}", lambda s: serving_pb2_grpc.add_BrokerServicer_to_server(servicer, s),
       credentials=credentials, services=[SERVICE], max_workers=max_workers,
-      interceptors=interceptors)
+      interceptors=server_interceptors(security, metrics) + list(interceptors),
+      max_message_bytes=max_request_bytes)
+  servicer.start_health()
   control.set_serving([SERVICE])
   return BrokerServer(servicer, control)
 
@@ -485,10 +785,22 @@ def start(model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str]
 FLAGS = flags.FLAGS
 
 
-def model_config_from_decode(target: str):
+def make_policy(router: str, threshold: float, **router_config) -> RoutingPolicy:
+  """``--router``: "static" (l > t offloads) or "adaptive" (``PrfaasRouter``,
+  section 3.4.3, fed by the live view once ``enable_live_view`` runs)."""
+  if router == "static":
+    return StaticThresholdPolicy(threshold)
+  if router != "adaptive":
+    raise ValueError(f"unknown router {router!r} (static | adaptive)")
+  from paas_jax.scheduling import PrfaasRouter, RouterConfig  # pylint: disable=g-import-not-at-top
+  return AdaptiveRouterPolicy(PrfaasRouter(RouterConfig(threshold_tokens=threshold,
+                                                        **router_config)), view=None)
+
+
+def model_config_from_decode(target: str, credentials: grpc.ChannelCredentials | None = None):
   """The served model's config as a decode server reports it (for checkpoints)."""
   from paas_jax.models import ModelConfig  # pylint: disable=g-import-not-at-top
-  with common.make_channel(target) as ch:
+  with common.make_channel(target, credentials) as ch:
     r = serving_pb2_grpc.DecodeStub(ch).GetStats(serving_pb2.StatsRequest(),
                                                  timeout=common.CONTROL_TIMEOUT_S)
   return ModelConfig.from_dict(json.loads(r.json)["config"])
@@ -498,27 +810,37 @@ def main(argv):
   del argv
   from paas_jax.models import load_config  # pylint: disable=g-import-not-at-top
   from paas_jax.serving.tokenizer import WrappedTokenizer  # pylint: disable=g-import-not-at-top
-  common.setup_logging(FLAGS.log_level)
+  security_cli.setup_logging("broker", FLAGS.log_level)
+  security = security_cli.security_from_flags("broker")
+  metrics, metrics_port = security_cli.start_metrics("broker")
+  channel_creds = security.channel_credentials()
   if len(FLAGS.decode) != len(FLAGS.decode_transfer):
     raise app.UsageError("--decode and --decode_transfer need the same number of entries")
   targets = [DecodeTarget(c, t) for c, t in zip(FLAGS.decode, FLAGS.decode_transfer)]
   threshold = float("inf") if FLAGS.threshold < 0 else FLAGS.threshold
-  creds = common.load_server_credentials(FLAGS.tls_cert, FLAGS.tls_key, FLAGS.tls_client_ca)
   for target in list(FLAGS.prefill) + list(FLAGS.decode):
-    common.wait_healthy(target, FLAGS.wait_s)
+    common.wait_healthy(target, FLAGS.wait_s, credentials=channel_creds)
   config = (load_config(FLAGS.config) if FLAGS.config
-            else model_config_from_decode(FLAGS.decode[0]))
+            else model_config_from_decode(FLAGS.decode[0], channel_creds))
   tokenizer = None
   if FLAGS.tokenizer:
     from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
     tokenizer = WrappedTokenizer(Tokenizer.from_file(FLAGS.tokenizer))
-  server = start(config, StaticThresholdPolicy(threshold),
+  policy = make_policy(FLAGS.router, threshold)
+  server = start(config, policy,
                  prefill_targets=FLAGS.prefill, decode_targets=targets, host=FLAGS.host,
-                 port=FLAGS.port, credentials=creds, codec_json=FLAGS.codec_json,
-                 tokenizer=tokenizer)
-  common.write_ready_file(FLAGS.ready_file, {"pid": os.getpid(), "port": server.control.port})
-  log.info("broker on %s: prefill %s, decode %s, threshold %s", server.address,
-           FLAGS.prefill, targets, threshold)
+                 port=FLAGS.port, codec_json=FLAGS.codec_json, tokenizer=tokenizer,
+                 security=security, metrics=metrics, max_attempts=FLAGS.max_attempts,
+                 max_request_bytes=FLAGS.max_request_bytes)
+  if FLAGS.router == "adaptive" or FLAGS.live_view:
+    server.servicer.enable_live_view(FLAGS.link_bandwidth_bps, poll_s=FLAGS.poll_ms / 1e3,
+                                     rebalance_every_s=FLAGS.rebalance_every_s,
+                                     n_slots=FLAGS.n_slots,
+                                     apply_threshold=FLAGS.rebalance_apply)
+  common.write_ready_file(FLAGS.ready_file, {"pid": os.getpid(), "port": server.control.port,
+                                             "metrics_port": metrics_port})
+  log.info("broker on %s: prefill %s, decode %s, router %s, threshold %s", server.address,
+           FLAGS.prefill, targets, FLAGS.router, threshold)
   common.wait_for_termination(server.stop)
 
 
@@ -537,10 +859,22 @@ if __name__ == "__main__":
   flags.DEFINE_float("threshold", 128, "Selective offloading: prompts longer than this many "
                      "tokens are prefilled remotely (<0: never).")
   flags.DEFINE_string("codec_json", "", "CodecOptions JSON for the link (empty: server default).")
+  flags.DEFINE_enum("router", "static", ["static", "adaptive"],
+                    "static: l > threshold offloads. adaptive: PrfaasRouter (bandwidth regime, "
+                    "queue-aware t, prefix caches of both regions) on a live ClusterView.")
+  flags.DEFINE_bool("live_view", False, "Poll the regions for the live ClusterView and probe "
+                    "prefix caches even with --router=static.")
+  flags.DEFINE_float("link_bandwidth_bps", 1e9, "PrfaaS->PD link capacity the router assumes.")
+  flags.DEFINE_float("poll_ms", 200, "GetStats poll period of the live view.")
+  flags.DEFINE_float("rebalance_every_s", 5.0, "Rebalancer period (0: off); reports only.")
+  flags.DEFINE_bool("rebalance_apply", False, "Put the rebalancer's t into the router.")
+  flags.DEFINE_integer("n_slots", 8, "Decode slots per decode server (rebalancer's BS_max).")
   flags.DEFINE_float("wait_s", 300, "How long to wait for the regions to become healthy.")
   flags.DEFINE_string("ready_file", None, "Write port/pid as JSON here once serving.")
-  flags.DEFINE_string("tls_cert", None, "PEM server certificate (enables TLS).")
-  flags.DEFINE_string("tls_key", None, "PEM server key.")
-  flags.DEFINE_string("tls_client_ca", None, "PEM CA for client certificates (mTLS).")
+  flags.DEFINE_integer("max_attempts", MAX_ATTEMPTS, "Tries per request (re-prefill / "
+                       "restart after a server or link fault).")
+  flags.DEFINE_integer("max_request_bytes", MAX_REQUEST_BYTES, "Largest request accepted.")
   flags.DEFINE_string("log_level", "INFO", "Logging level.")
+  # TLS identity / --insecure, --api_tokens_file, --metrics_port, --log_format.
+  security_cli.define_flags("broker")
   app.run(main)

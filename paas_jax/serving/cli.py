@@ -25,6 +25,9 @@ def define_server_flags(role: str):
   flags.DEFINE_list("prefill_buckets", ["64", "256"],
                     "Padded prefill chunk lengths (the largest is the chunk size).")
   flags.DEFINE_float("batch_window_ms", 5.0, "How long prefill waits to fill a batch.")
+  flags.DEFINE_integer("prefix_block", 0, "Hybrid prefix cache block size in tokens "
+                       "(0: no prefix cache).")
+  flags.DEFINE_integer("prefix_cache_mb", 256, "Prefix cache budget, MiB.")
   flags.DEFINE_integer("max_ctx", 0, "Context per request (0: the model's max_seq_len).")
   flags.DEFINE_string("log_level", "INFO", "Logging level.")
   # TLS/mTLS identity or --insecure, --metrics_port, --log_format (paas_jax.security.cli).

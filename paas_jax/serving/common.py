@@ -35,13 +35,13 @@ def message_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
           ("grpc.max_receive_message_length", max_message_bytes)]
 
 
-def make_channel(target: str, credentials: grpc.ChannelCredentials | None = None
-                 ) -> grpc.Channel:
+def make_channel(target: str, credentials: grpc.ChannelCredentials | None = None,
+                 extra_options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
   options = message_options() + [
       # Broker <-> region links stay open for the life of the process.
       ("grpc.keepalive_time_ms", 30_000),
       ("grpc.keepalive_permit_without_calls", 1),
-  ]
+  ] + list(extra_options)
   if credentials is None:
     return grpc.insecure_channel(target, options=options)
   return grpc.secure_channel(target, credentials, options=options)
@@ -70,13 +70,15 @@ class RunningServer:
 def start_server(address: str, register: Callable[[grpc.Server], None], *,
                  credentials: grpc.ServerCredentials | None = None, max_workers: int = 64,
                  services: Sequence[str] = (),
-                 interceptors: Sequence[grpc.ServerInterceptor] = ()) -> RunningServer:
+                 interceptors: Sequence[grpc.ServerInterceptor] = (),
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> RunningServer:
   """Starts a sync gRPC server on ``address`` (port 0 picks one), NOT_SERVING until
   ``set_serving`` is called (e.g. after warm-up)."""
   # Each streaming RPC holds a worker thread; past max_workers concurrent RPCs a
   # caller gets RESOURCE_EXHAUSTED at once instead of waiting for a thread.
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                       options=message_options(), maximum_concurrent_rpcs=max_workers,
+                       options=message_options(max_message_bytes),
+                       maximum_concurrent_rpcs=max_workers,
                        interceptors=list(interceptors))
   register(server)
   health_servicer = health.HealthServicer()
@@ -203,12 +205,18 @@ def wait_for_termination(on_stop: Callable[[], None]) -> None:
     on_stop()
 
 
-def load_server_credentials(cert: str | None, key: str | None,
-                            client_ca: str | None = None) -> grpc.ServerCredentials | None:
-  """TLS (mTLS with ``client_ca``) server credentials from PEM files, or None."""
-  if not cert:
-    return None
-  pair = [(pathlib.Path(key).read_bytes(), pathlib.Path(cert).read_bytes())]
-  root = pathlib.Path(client_ca).read_bytes() if client_ca else None
-  return grpc.ssl_server_credentials(pair, root_certificates=root,
-                                     require_client_auth=root is not None)
+def prefix_cache_gauges(engine, probe_ids: Sequence[int] = ()) -> dict:
+  """GetStats gauges of a ``PrefillEngine``'s prefix cache, plus the cached
+  prefix length of ``probe_ids`` (``prefix_cached_tokens``) when given."""
+  cache = getattr(engine, "prefix_cache", None)
+  if cache is None:
+    return {"prefix_cache_enabled": 0.0}
+  st = cache.stats
+  out = {"prefix_cache_enabled": 1.0, "prefix_block": float(cache.block_size),
+         "prefix_blocks": float(st.blocks), "prefix_checkpoints": float(st.checkpoints),
+         "prefix_bytes": float(st.nbytes), "prefix_hits": float(st.hits),
+         "prefix_misses": float(st.misses), "prefix_hit_tokens": float(st.hit_tokens),
+         "prefix_released_bytes": float(getattr(engine, "prefix_released_bytes", 0))}
+  if probe_ids:
+    out["prefix_cached_tokens"] = float(engine.cached_prefix_tokens(list(probe_ids)))
+  return out

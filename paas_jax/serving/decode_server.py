@@ -174,6 +174,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         out.prefill_s = float(info.get("prefill_s", 0.0))
         out.prefill_queue_s = float(info.get("prefill_queue_s", 0.0))
         out.prefill_batch_size = int(info.get("prefill_batch_size", 0))
+        out.prefill_cached_tokens = int(info.get("prefill_cached_tokens", 0))
         yield out
         continue
       tokens = list(ev.tokens) if ev.kind == "tokens" else []
@@ -195,6 +196,9 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
       if finished is not None:
         out.finished = True
         out.finish_reason = finished.reason
+        log.info("request finished", extra={"downstream_id": job.request_id,
+                                            "remote_prefill": job.remote,
+                                            "reason": finished.reason})
       yield out
       if finished is not None:
         return
@@ -219,6 +223,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
              receiver_bytes_in_use=self.receiver.bytes_in_use,
              receiver_active_transfers=len(self.receiver.active_transfers()),
              uptime_s=time.time() - self.started)
+    s.update(common.prefix_cache_gauges(self.prefill_engine, request.prefix_probe_ids))
     gauges = {k: float(v) for k, v in s.items()}
     extra = {"model": self.config.name, "fingerprint": self.config.fingerprint(),
              "config": self.config.to_dict(),
@@ -296,7 +301,8 @@ def main(argv):
   engine_config = EngineConfig(
       n_slots=FLAGS.n_slots, max_ctx=FLAGS.max_ctx, page_size=FLAGS.page_size,
       num_pages=FLAGS.num_pages, prefill_buckets=tuple(int(b) for b in FLAGS.prefill_buckets),
-      prefill_max_batch=FLAGS.prefill_max_batch)
+      prefill_max_batch=FLAGS.prefill_max_batch, prefix_block=FLAGS.prefix_block,
+      prefix_cache_bytes=FLAGS.prefix_cache_mb << 20)
   server = start(model, engine_config, host=FLAGS.host, port=FLAGS.port,
                  transfer_port=FLAGS.transfer_port, max_queue=FLAGS.max_queue,
                  batch_window_s=FLAGS.batch_window_ms / 1e3, security=security,

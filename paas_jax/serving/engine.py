@@ -79,6 +79,10 @@ class EngineConfig:
   num_pages: int = 0
   prefill_buckets: tuple[int, ...] = (64, 256)
   prefill_max_batch: int = 4
+  # Hybrid prefix cache (``HybridPrefixCache``): block size in tokens, 0 = off.
+  # With it on, prompts are prefilled one at a time by ``api.cached_prefill``.
+  prefix_block: int = 0
+  prefix_cache_bytes: int = 256 << 20
 
   def __post_init__(self):
     if self.n_slots < 1:
@@ -94,6 +98,8 @@ class EngineConfig:
       raise ValueError("EngineConfig.prefill_max_batch must be >= 1")
     if self.max_ctx < 0 or self.num_pages < 0:
       raise ValueError("EngineConfig.max_ctx and num_pages must be >= 0")
+    if self.prefix_block < 0 or self.prefix_cache_bytes <= 0:
+      raise ValueError("EngineConfig.prefix_block must be >= 0 and prefix_cache_bytes > 0")
 
   @property
   def prefill_chunk(self) -> int:
@@ -173,6 +179,10 @@ class PrefillInput:
   request_id: str
   prompt: tuple[int, ...]
   params: RequestParams
+  # Prefix cache: entries made only for this request's outgoing transfer (the
+  # prompt's last block and its checkpoint) are tagged with this owner, to be
+  # released after the transfer; None keeps every entry (shared, LRU).
+  cache_owner: str | None = None
 
 
 @dataclasses.dataclass
@@ -191,6 +201,7 @@ class PrefillOutput:
   prompt_len: int
   prefill_s: float
   batch_size: int
+  cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
 
 @jax.jit
@@ -234,6 +245,50 @@ class PrefillEngine:
     chunk = config.prefill_chunk
     self.capacity = -(-self.max_ctx // chunk) * chunk
     self._lock = threading.Lock()
+    self.prefix_cache = None
+    self.prefix_released_bytes = 0
+    self._pending_release: list[str] = []
+    self._release_lock = threading.Lock()
+    if config.prefix_block:
+      from paas_jax.state.prefix_cache import HybridPrefixCache  # pylint: disable=g-import-not-at-top
+      self.prefix_cache = HybridPrefixCache(model.config, block_size=config.prefix_block,
+                                            capacity_bytes=config.prefix_cache_bytes)
+
+  def cached_prefix_tokens(self, prompt: Sequence[int]) -> int:
+    """Longest prefix of ``prompt`` the prefix cache would reuse (0 without one)."""
+    if self.prefix_cache is None or not prompt:
+      return 0
+    # No lock: a probe must not wait for a running prefill. Membership tests on
+    # the cache's dicts are atomic, so the answer is at worst slightly stale.
+    try:
+      return self.prefix_cache.match_length(prompt)
+    except RuntimeError:  # a dict resized under us; report a miss
+      return 0
+
+  def release_prefix(self, owner: str) -> int:
+    """Drops the prefix-cache entries tagged with ``owner``; returns bytes freed now.
+
+    Never waits for a running prefill (a transfer's commit must not): when the
+    engine is busy the release is queued and done before the next prompt.
+    """
+    if self.prefix_cache is None:
+      return 0
+    with self._release_lock:
+      self._pending_release.append(owner)
+    if not self._lock.acquire(blocking=False):
+      return 0
+    try:
+      return self._drain_releases()
+    finally:
+      self._lock.release()
+
+  def _drain_releases(self) -> int:
+    """Runs queued releases; the caller holds ``_lock``."""
+    with self._release_lock:
+      owners, self._pending_release = self._pending_release, []
+    freed = sum(self.prefix_cache.release(o) for o in owners)
+    self.prefix_released_bytes += freed
+    return freed
 
   def prefill(self, inputs: Sequence[PrefillInput], layer_sink=None) -> list[PrefillOutput]:
     if not inputs:
@@ -245,7 +300,47 @@ class PrefillEngine:
         raise InvalidRequestError(f"prompt of {len(x.prompt)} tokens; this engine prefills "
                                   f"1 to {self.max_ctx - 1}")
     with self._lock:
+      if self.prefix_cache is not None:
+        return self._prefill_cached(list(inputs), layer_sink)
       return self._prefill(list(inputs), layer_sink)
+
+  def _prefill_cached(self, inputs: list[PrefillInput], layer_sink) -> list[PrefillOutput]:
+    """One prompt at a time through ``api.cached_prefill`` (exact, see the model tests).
+
+    ``layer_sink`` gets each layer once the prompt is done, batched like the
+    inputs (one row per input) only when there is a single input; the batcher
+    runs cached prefills one job at a time.
+    """
+    if layer_sink is not None and len(inputs) != 1:
+      raise ValueError("a layer sink with the prefix cache takes one prompt per call")
+    t0 = time.perf_counter()
+    self._drain_releases()
+    block = self.prefix_cache.block_size
+    outputs = []
+    for x in inputs:
+      tokens = list(x.prompt)
+      # What was reusable when the request arrived (what it actually saved).
+      reused = self.prefix_cache.match_length(tokens)
+      keep = ((len(tokens) - 1) // block) * block if x.cache_owner is not None else 0
+      if keep > reused:
+        # The shared part first (owner None), then the tail owned by the transfer.
+        api.cached_prefill(self.model, tokens[:keep], self.prefix_cache,
+                           capacity=self.capacity)
+      logits, state, _ = api.cached_prefill(self.model, tokens, self.prefix_cache,
+                                            owner=x.cache_owner, capacity=self.capacity)
+      first = sample_rows(logits, [x.params], [len(tokens)])
+      if layer_sink is not None:
+        for i, cache in enumerate(state.layers):
+          layer_sink(i, cache)
+      host = jax.tree_util.tree_map(np.asarray, state)
+      outputs.append(PrefillOutput(
+          request_id=x.request_id, state=_select_row(host, 0, round_up(len(tokens))),
+          first_token=int(first[0]), prompt_len=len(tokens), prefill_s=0.0,
+          batch_size=len(inputs), cached_tokens=int(reused)))
+    elapsed = time.perf_counter() - t0
+    for o in outputs:
+      o.prefill_s = elapsed
+    return outputs
 
   def _chunk_len(self, size: int) -> int:
     return next(b for b in self.config.prefill_buckets if b >= size)
@@ -301,6 +396,21 @@ class PrefillEngine:
     for b in self.config.prefill_buckets:
       size = min(b, self.max_ctx - 1)
       self.prefill([PrefillInput("warmup", (0,) * size, RequestParams())])
+    if self.prefix_cache is not None:
+      # Cached prefill runs chunks of up to one block: compile every chunk
+      # bucket (8, 16, ... block) with and without a restored prefix, then
+      # start from an empty cache.
+      block = self.prefix_cache.block_size
+      sizes = sorted({min(api.prefill_bucket(n), block) for n in range(1, block + 1)})
+      for size in sizes:
+        for prompt_len in (size, block + size):
+          if prompt_len < self.max_ctx:
+            self.prefill([PrefillInput("warmup", (0,) * prompt_len, RequestParams(),
+                                       cache_owner="warmup")])
+      from paas_jax.state.prefix_cache import HybridPrefixCache  # pylint: disable=g-import-not-at-top
+      with self._lock:
+        self.prefix_cache = HybridPrefixCache(self.model.config, block_size=block,
+                                              capacity_bytes=self.config.prefix_cache_bytes)
     return time.perf_counter() - t0
 
 

@@ -41,6 +41,8 @@ class Proc:
   ready_file: pathlib.Path
   log_file: pathlib.Path
   info: dict = dataclasses.field(default_factory=dict)
+  args: tuple = ()
+  prefix: tuple = ()
 
   def log_tail(self, lines: int = 30) -> str:
     try:
@@ -77,11 +79,11 @@ def spawn(name: str, args: Sequence[str], workdir: pathlib.Path, *,
   full_env = dict(os.environ)
   full_env.update(env or {})
   full_env.setdefault("PYTHONUNBUFFERED", "1")
-  with open(log, "w") as f:
+  with open(log, "a") as f:
     popen = subprocess.Popen([*prefix, PY, *args, f"--ready_file={ready}"], stdout=f,
                              stderr=subprocess.STDOUT, env=full_env,
                              cwd=str(pathlib.Path(__file__).resolve().parents[2]))
-  return Proc(name, popen, ready, log)
+  return Proc(name, popen, ready, log, args=tuple(args), prefix=tuple(prefix))
 
 
 def wait_ready(procs: Sequence[Proc], timeout_s: float, on_tick=None) -> None:
@@ -113,6 +115,11 @@ class ClusterSpec:
   prefill_max_batch: int = 4
   batch_window_ms: float = 5.0
   threshold: float = 128.0
+  # Scheduling (issue 7): "static" | "adaptive" broker router, and the hybrid
+  # prefix cache block size of both regions' prefill (0: no prefix cache).
+  router: str = "static"
+  prefix_block: int = 0
+  rebalance_every_s: float = 5.0
   link: LinkSpec | None = None
   netem: str = "relay"  # "relay" | "netns"
   codec_compression: str = "raw"
@@ -120,13 +127,34 @@ class ClusterSpec:
   compilation_cache: str | None = None
   log_level: str = "WARNING"
   startup_timeout_s: float = 600.0
+  # Security (paas_jax.security): tls=True makes a local CA and a certificate
+  # per process in workdir/certs, mutual TLS between broker and regions, TLS
+  # plus a bearer token (workdir/certs/client.token) on the broker's public
+  # port. tls=False runs every process with an explicit --insecure.
+  tls: bool = False
+  # Fault injection in the prefill server (FaultPlan syntax, e.g.
+  # "kill_after_layers=2"), and a FlakyLink (paas_jax.security.faults) in
+  # front of the decode server's StateTransfer port (cluster.wan) that tests
+  # and the demo can cut. Not with netem="netns".
+  prefill_faults: str = ""
+  flaky_wan: bool = False
+  metrics: bool = False         # every process serves /metrics on a free port
+  log_format: str = "text"      # "json": structured logs with request ids
+
+
+def _link_bps(link: LinkSpec | None) -> float:
+  """The link capacity the broker's router assumes (no emulation: 10 Gbps)."""
+  if link is None or not 0 < link.bandwidth_bps < float("inf"):
+    return 10e9
+  return float(link.bandwidth_bps)
 
 
 def _server_args(spec: ClusterSpec, host: str) -> list[str]:
   args = [f"--config={spec.config}", f"--seed={spec.seed}", f"--host={host}", "--port=0",
           f"--max_ctx={spec.max_ctx}", f"--prefill_max_batch={spec.prefill_max_batch}",
           f"--prefill_buckets={','.join(str(b) for b in spec.prefill_buckets)}",
-          f"--batch_window_ms={spec.batch_window_ms}", f"--log_level={spec.log_level}"]
+          f"--batch_window_ms={spec.batch_window_ms}", f"--log_level={spec.log_level}",
+          f"--prefix_block={spec.prefix_block}"]
   if spec.checkpoint:
     args.append(f"--checkpoint={spec.checkpoint}")
   if spec.compilation_cache is not None:
@@ -150,6 +178,8 @@ class LocalCluster:
     self.broker_address = ""
     self.relay_stats_file = self.workdir / "relay_stats.json"
     self.timings: dict[str, float] = {}
+    self.certs: pathlib.Path | None = None
+    self.wan = None  # a FlakyLink with spec.flaky_wan
 
   # -- lifecycle ------------------------------------------------------------------
 
@@ -164,13 +194,18 @@ class LocalCluster:
         self.netns = NetnsLink(spec.link).up()
         prefix = self.netns.exec_prefix()
         a_host, b_host = self.netns.a_ip, self.netns.b_ip
+      self._make_certs(a_host, b_host)
       prefill_args = ["-m", "paas_jax.serving.prefill_server", *_server_args(spec, a_host),
                       f"--codec_compression={spec.codec_compression}",
-                      f"--transfer_streams={spec.transfer_streams}"]
+                      f"--transfer_streams={spec.transfer_streams}",
+                      *self._common_args("prefill")]
+      if spec.prefill_faults:
+        prefill_args.append(f"--faults={spec.prefill_faults}")
       decode_args = ["-m", "paas_jax.serving.decode_server",
                      *_server_args(spec, "127.0.0.1"), "--transfer_port=0",
                      f"--n_slots={spec.n_slots}", f"--page_size={spec.page_size}",
-                     f"--num_pages={spec.num_pages}", f"--max_queue={spec.max_queue}"]
+                     f"--num_pages={spec.num_pages}", f"--max_queue={spec.max_queue}",
+                     *self._common_args("decode")]
       self.procs["prefill"] = spawn("prefill", prefill_args, self.workdir, prefix=prefix)
       self.procs["decode"] = spawn("decode", decode_args, self.workdir)
       wait_ready([self.procs["prefill"], self.procs["decode"]], spec.startup_timeout_s,
@@ -180,6 +215,12 @@ class LocalCluster:
       decode = self.procs["decode"].info
       prefill_target = f"{a_host}:{prefill_port}"
       transfer_target = f"127.0.0.1:{decode['transfer_port']}"
+      if spec.flaky_wan:
+        if self.netns is not None:
+          raise LaunchError("flaky_wan does not work with netem='netns'")
+        from paas_jax.security.faults import FlakyLink  # pylint: disable=g-import-not-at-top
+        self.wan = FlakyLink(transfer_target).start()
+        transfer_target = self.wan.address
       if spec.link is not None:
         link = spec.link
         if self.netns is not None:
@@ -205,7 +246,11 @@ class LocalCluster:
       broker_args = ["-m", "paas_jax.serving.broker", f"--config={broker_config}", "--port=0",
                      f"--prefill={prefill_target}", f"--decode=127.0.0.1:{decode['port']}",
                      f"--decode_transfer={transfer_target}",
-                     f"--threshold={spec.threshold}", f"--log_level={spec.log_level}"]
+                     f"--threshold={spec.threshold}", f"--log_level={spec.log_level}",
+                     f"--router={spec.router}", f"--n_slots={spec.n_slots}",
+                     f"--rebalance_every_s={spec.rebalance_every_s}",
+                     f"--link_bandwidth_bps={_link_bps(spec.link)}",
+                     *self._common_args("broker")]
       self.procs["broker"] = spawn("broker", broker_args, self.workdir)
       wait_ready([self.procs["broker"]], 120, on_tick)
       self.broker_address = f"127.0.0.1:{self.procs['broker'].info['port']}"
@@ -220,9 +265,96 @@ class LocalCluster:
       proc = self.procs.get(name)
       if proc is not None:
         proc.stop()
+    if self.wan is not None:
+      self.wan.stop()
+      self.wan = None
     if self.netns is not None:
       self.netns.down()
       self.netns = None
+
+  # -- security and faults ------------------------------------------------------------
+
+  def _make_certs(self, a_host: str, b_host: str) -> None:
+    if not self.spec.tls:
+      return
+    from paas_jax.security import ca as ca_lib  # pylint: disable=g-import-not-at-top
+    from paas_jax.security.make_certs import write_token_files  # pylint: disable=g-import-not-at-top
+    self.certs = self.workdir / "certs"
+    hosts = tuple(dict.fromkeys(ca_lib.DEFAULT_HOSTS + (a_host, b_host)))
+    ca_lib.make_certs(self.certs, ("broker", "prefill", "decode", "client"), hosts=hosts,
+                      reuse_ca=False)
+    (self.certs / "api_tokens.txt").unlink(missing_ok=True)
+    write_token_files(self.certs, "client")
+
+  def _common_args(self, role: str) -> list[str]:
+    spec = self.spec
+    args = [f"--log_format={spec.log_format}"]
+    if spec.tls:
+      args += [f"--tls_dir={self.certs}", f"--tls_name={role}"]
+      if role == "broker":
+        args.append(f"--api_tokens_file={self.certs / 'api_tokens.txt'}")
+    else:
+      args.append("--insecure")
+    if spec.metrics:
+      args.append("--metrics_port=0")
+    return args
+
+  @property
+  def token(self) -> str | None:
+    """The client's bearer token (tls=True)."""
+    if self.certs is None:
+      return None
+    return (self.certs / "client.token").read_text().strip()
+
+  def tls_config(self, name: str):
+    """A ``TLSConfig`` with the identity ``name`` (broker, prefill, decode, client)."""
+    from paas_jax.security import TLSConfig  # pylint: disable=g-import-not-at-top
+    if self.certs is None:
+      return TLSConfig.plaintext(name)
+    return TLSConfig.from_dir(self.certs, name)
+
+  def client_credentials(self, token: str | None = "default"):
+    """Channel credentials of a public client of the broker (None: plaintext)."""
+    from paas_jax.security import channel_credentials  # pylint: disable=g-import-not-at-top
+    if self.certs is None:
+      return None
+    return channel_credentials(self.certs / "ca.pem",
+                               token=self.token if token == "default" else token)
+
+  def channel(self, name: str, as_role: str = "broker"):
+    """A gRPC channel to process ``name``'s control port, authenticated as
+    ``as_role`` (mutual TLS with that role's certificate; plaintext without tls)."""
+    import grpc  # pylint: disable=g-import-not-at-top
+    info = self.procs[name].info
+    host = self.netns.a_ip if (name == "prefill" and self.netns is not None) else "127.0.0.1"
+    target = f"{host}:{info['port']}"
+    creds = self.tls_config(as_role).client() if self.certs is not None else None
+    if creds is None:
+      return grpc.insecure_channel(target)
+    return grpc.secure_channel(target, creds)
+
+  def kill(self, name: str) -> int:
+    """SIGKILLs a process (a preempted machine); returns its exit status."""
+    proc = self.procs[name]
+    if proc.popen.poll() is None:
+      proc.popen.kill()
+    return proc.popen.wait(10)
+
+  def restart(self, name: str, *, extra_args=(), drop_prefix: str | None = None,
+              timeout_s: float | None = None) -> Proc:
+    """Starts process ``name`` again on the same port(s), after it died or was
+    stopped; ``drop_prefix`` removes arguments starting with it (e.g. "--faults")."""
+    old = self.procs[name]
+    old.stop()
+    args = [a for a in old.args if not (drop_prefix and a.startswith(drop_prefix))]
+    pinned = {"--port": old.info.get("port"), "--transfer_port": old.info.get("transfer_port")}
+    args = [f"{a.split('=', 1)[0]}={pinned[a.split('=', 1)[0]]}"
+            if a.split("=", 1)[0] in pinned and pinned[a.split("=", 1)[0]] is not None else a
+            for a in args] + list(extra_args)
+    proc = spawn(name, args, self.workdir, prefix=old.prefix)
+    self.procs[name] = proc
+    wait_ready([proc], timeout_s or self.spec.startup_timeout_s)
+    return proc
 
   def __enter__(self) -> "LocalCluster":
     return self.start()

@@ -150,7 +150,11 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     def finish():
       tx = holder.get("tx")
       try:
-        result = tx.finish()
+        try:
+          result = tx.finish()
+        finally:
+          # Prefix-cache entries made only for this transfer go once it is over.
+          self._release_prefix(rid)
       except TransferError as e:
         self.counters["transfers_failed"] += 1
         if self.metrics is not None:
@@ -180,6 +184,14 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
       if tx is not None:
         tx.abort(f"prefill failed: {e!r}")
       if isinstance(e, TransferError):
+        self.counters["transfers_failed"] += 1
+        if self.metrics is not None:
+          tl = tx.timeline() if tx is not None else None
+          self.metrics.observe_transfer(
+              "A->B", bytes_sent=tl.bytes_sent if tl else 0, state_bytes=0, seconds=0.0,
+              ok=False, retried_chunks=tl.resent_chunks if tl else 0)
+      self._release_prefix(rid)
+      if isinstance(e, TransferError):
         events.put(("error", e.code, f"could not open a transfer to "
                                      f"{request.decode_target}: {e.message}"))
       elif isinstance(e, InvalidRequestError):
@@ -187,7 +199,9 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
       else:
         events.put(("error", grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}"))
 
-    job = PrefillJob(input=PrefillInput(rid, prompt, params), on_done=on_done,
+    owner = rid if self.engine.prefix_cache is not None else None
+    job = PrefillJob(input=PrefillInput(rid, prompt, params, cache_owner=owner),
+                     on_done=on_done,
                      on_error=on_error, on_start=on_start, on_layer=on_layer)
 
     def on_rpc_done():
@@ -227,21 +241,31 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
           self.faults.before_first_token()
         yield serving_pb2.PrefillEvent(first_token=serving_pb2.FirstToken(
             token_id=out.first_token, queue_s=holder.get("queue_s", 0.0),
-            prefill_s=out.prefill_s, batch_size=out.batch_size))
+            prefill_s=out.prefill_s, batch_size=out.batch_size,
+            cached_tokens=out.cached_tokens))
       elif kind == "done":
         t = rest[0].timeline
         holder["finished"] = True
+        log.info("state transfer committed", extra={
+            "transfer_id": rid, "decode_target": request.decode_target,
+            "state_bytes": t.state_bytes, "bytes_sent": t.bytes_sent,
+            "resent_chunks": t.resent_chunks, "transfer_s": round(t.duration_s or 0.0, 4)})
         yield serving_pb2.PrefillEvent(done=serving_pb2.TransferDone(
             state_bytes=t.state_bytes, bytes_sent=t.bytes_sent,
             transfer_s=t.duration_s or 0.0, receiver_ready_s=t.receiver_ready_s or 0.0,
             num_streams=t.num_streams))
         return
 
+  def _release_prefix(self, rid: str) -> None:
+    if self.engine.prefix_cache is not None:
+      self.engine.release_prefix(rid)  # bytes: gauge prefix_released_bytes
+
   def GetStats(self, request, context):
     s = dict(self.counters)
     s.update(queue=self.batcher.queue_depth, batches=self.batcher.batches,
              prompts=self.batcher.prompts, prompt_tokens=self.batcher.tokens,
              busy_s=self.batcher.busy_s, uptime_s=time.time() - self.started)
+    s.update(common.prefix_cache_gauges(self.engine, request.prefix_probe_ids))
     return serving_pb2.StatsResponse(
         server="prefill", gauges={k: float(v) for k, v in s.items()},
         json=json.dumps({"model": self.config.name, "fingerprint": self.config.fingerprint(),
@@ -314,7 +338,8 @@ def main(argv):
   engine_config = EngineConfig(
       n_slots=1, max_ctx=FLAGS.max_ctx,
       prefill_buckets=tuple(int(b) for b in FLAGS.prefill_buckets),
-      prefill_max_batch=FLAGS.prefill_max_batch)
+      prefill_max_batch=FLAGS.prefill_max_batch, prefix_block=FLAGS.prefix_block,
+      prefix_cache_bytes=FLAGS.prefix_cache_mb << 20)
   server = start(model, engine_config, host=FLAGS.host, port=FLAGS.port,
                  batch_window_s=FLAGS.batch_window_ms / 1e3,
                  codec=CodecOptions(compression=FLAGS.codec_compression),

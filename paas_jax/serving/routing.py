@@ -24,7 +24,8 @@ class RouteRequest:
   """What the policy knows of a request (tokens)."""
 
   prompt_tokens: int
-  cached_prefix_tokens: int = 0
+  cached_prefix_tokens: int = 0   # l_pd: reusable in the PD region
+  prfaas_cached_tokens: int = 0   # l_prfaas: reusable in the PrfaaS region
 
   @property
   def incremental_tokens(self) -> int:
@@ -36,6 +37,9 @@ class RouteDecision:
   route: Route
   reason: str
   threshold_tokens: float
+  prefix_source: str = "none"     # cluster whose cached prefix is reused
+  prefix_tokens: int = 0
+  bandwidth_mode: str = ""
 
 
 class RoutingPolicy(Protocol):
@@ -57,7 +61,9 @@ class StaticThresholdPolicy:
     l, t = request.incremental_tokens, self.threshold_tokens
     if l > t:
       return RouteDecision(PRFAAS, f"static:l={l}>t={t:g}", t)
-    return RouteDecision(PDP, f"static:l={l}<=t={t:g}", t)
+    return RouteDecision(PDP, f"static:l={l}<=t={t:g}", t,
+                         "pdp" if request.cached_prefix_tokens else "none",
+                         request.cached_prefix_tokens)
 
 
 @dataclasses.dataclass
@@ -69,12 +75,28 @@ class AdaptiveRouterPolicy:
   """
 
   router: object  # paas_jax.scheduling.PrfaasRouter
-  view: Callable[[], object]
+  view: Callable[[], object] | None = None
+  # The live stack cannot yet ship a cached prefix between regions, so a
+  # decision that needs one (abundant link, longer prefix in the other region)
+  # is re-taken with the scarce test: local iff l_total - l_pd <= t_eff, and
+  # each region reuses only its own cache. True keeps the router's decision.
+  cross_cluster_prefix: bool = False
 
   def decide(self, request: RouteRequest) -> RouteDecision:
-    from paas_jax.scheduling import RequestInfo  # pylint: disable=g-import-not-at-top
+    from paas_jax.scheduling import ClusterView, RequestInfo  # pylint: disable=g-import-not-at-top
+    # No live view yet: an idle, unloaded 1 Gbps link (the static rule plus prefixes).
+    view = self.view() if self.view is not None else ClusterView(link_bandwidth_bps=1e9)
     d = self.router.decide(RequestInfo(l_total=request.prompt_tokens,
-                                       l_pd_cached=request.cached_prefix_tokens),
-                           self.view())
+                                       l_pd_cached=request.cached_prefix_tokens,
+                                       l_prfaas_cached=request.prfaas_cached_tokens), view)
     t = d.effective_threshold
-    return RouteDecision(d.route, f"adaptive:{d.reason}", t if math.isfinite(t) else -1.0)
+    reason = f"adaptive:{d.reason}"
+    if d.cross_cluster_prefix and not self.cross_cluster_prefix:
+      l_pd, l_rf = request.cached_prefix_tokens, request.prfaas_cached_tokens
+      local = request.prompt_tokens - l_pd <= t
+      route, src, n = (PDP, "pdp", l_pd) if local else (PRFAAS, "prfaas", l_rf)
+      reason += f";no_cross_cluster_prefix({d.prefix_source}->{d.route}):{route}"
+      return RouteDecision(route, reason, t if math.isfinite(t) else -1.0,
+                           src if n else "none", n, d.bandwidth_mode)
+    return RouteDecision(d.route, reason, t if math.isfinite(t) else -1.0,
+                         d.prefix_source, d.prefix_tokens, d.bandwidth_mode)

@@ -24,13 +24,17 @@ N_SLOTS = 8
 MAX_QUEUE = 8
 MAX_CTX = 512
 SHORT, LONG = 40, 200  # LONG spans two 128-token prefill chunks
+# Both regions prefill through a HybridPrefixCache with 64-token blocks, so every
+# token-exactness test below also covers api.cached_prefill.
+PREFIX_BLOCK = 64
 
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
   spec = ClusterSpec(config=CONFIG, seed=SEED, n_slots=N_SLOTS, max_queue=MAX_QUEUE,
                      max_ctx=MAX_CTX, prefill_buckets=(128,), prefill_max_batch=4,
-                     threshold=THRESHOLD, link=LinkSpec(bandwidth_bps=200e6, rtt_s=0.01,
+                     threshold=THRESHOLD, prefix_block=PREFIX_BLOCK,
+                     link=LinkSpec(bandwidth_bps=200e6, rtt_s=0.01,
                                                         jitter_s=0.001))
   c = LocalCluster(spec, tmp_path_factory.mktemp("cluster"))
   c.start()

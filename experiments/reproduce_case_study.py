@@ -18,6 +18,7 @@ import os
 import time
 
 import numpy as np
+from paas_jax.jsonutil import jsonable
 from absl import app, flags
 
 from paas_jax.scheduling import case_study as cs
@@ -230,21 +231,8 @@ def main(argv):
   out = FLAGS.json_out
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out, "w") as f:
-    json.dump(_jsonable(result), f, indent=2, allow_nan=False)
+    json.dump(jsonable(result), f, indent=2, allow_nan=False)
   print(f"\nwrote {out} in {result['runtime_s']:.1f}s")
-
-
-def _jsonable(x):
-  """Strict JSON: numpy scalars to Python, non-finite floats (unused stages) to null."""
-  if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
-  if isinstance(x, (np.floating, np.integer)):
-    x = x.item()
-  if isinstance(x, float) and not math.isfinite(x):
-    return None
-  return x
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: files only
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from paas_jax.jsonutil import jsonable
 from absl import app, flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -166,7 +167,7 @@ def main(argv):
       "results": results,
   }
   with open(json_out, "w") as f:
-    json.dump(_jsonable(out), f, indent=2, allow_nan=False)
+    json.dump(jsonable(out), f, indent=2, allow_nan=False)
 
   keys = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p90_ms", "slo_both_attainment", "egress_gbps_mean")
   print(f"{'scenario':<15}{'load':>5}  {'system':<17}" + "".join(f"{k:>21}" for k in keys))
@@ -176,18 +177,6 @@ def main(argv):
         m = by_sys[system]
         print(f"{scen:<15}{load:>5}  {system:<17}" + "".join(f"{m[k]:>21.3f}" for k in keys))
   print(f"wrote {json_out} and plots to {FLAGS.out_dir} in {time.time() - t0:.1f}s")
-
-
-def _jsonable(x):
-  if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
-  if isinstance(x, (np.floating, np.integer)):
-    x = x.item()
-  if isinstance(x, float) and not math.isfinite(x):
-    return None
-  return x
 
 
 if __name__ == "__main__":

@@ -238,15 +238,27 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         def run_stream(request, context) -> Iterator:
           started = time.perf_counter()
           m.rpcs_in_flight.labels(short).inc()
+          recorded = threading.Lock()
+
+          def finish(outcome: str) -> None:
+            if recorded.acquire(blocking=False):  # exactly once, whichever path is first
+              done(started, context, outcome)
+
+          # gRPC may stop pulling from (and never close) the generator of a
+          # cancelled call, so its end is also taken from the RPC's own
+          # termination callback.
+          context.add_callback(lambda: finish("CANCELLED"))
           outcome = "UNKNOWN"
           try:
             yield from behavior(request, context)
-            outcome = "OK"
+            # A handler can run to completion after the client went away
+            # (its last messages are then discarded): that call was cancelled.
+            outcome = "OK" if context.is_active() else "CANCELLED"
           except GeneratorExit:
             outcome = "CANCELLED"
             raise
           finally:
-            done(started, context, outcome)
+            finish(outcome)
         return run_stream
 
       def run(request, context):

@@ -8,13 +8,13 @@ per shape); every timed call ends with ``block_until_ready``.
 
 from __future__ import annotations
 
-import json
-import pathlib
 import time
 
 import jax
 import numpy as np
 from absl import app, flags
+
+from paas_jax.jsonutil import write_json
 from tqdm import tqdm
 
 from paas_jax.models import api, load_config
@@ -73,10 +73,7 @@ def main(argv):
   for r in rows:
     print(f"{r['model']:16s} {r['n_params'] / 1e6:8.1f}M {r['batch']:5d} "
           f"{r['prefill_tokens_per_s']:14.0f} {r['decode_tokens_per_s']:13.1f}")
-  out = pathlib.Path(FLAGS.json_out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(rows, indent=1))
-  print(f"wrote {out}")
+  write_json(FLAGS.json_out, rows)
 
 
 if __name__ == "__main__":

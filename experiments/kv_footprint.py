@@ -14,6 +14,7 @@ import pathlib
 
 from absl import app, flags
 
+from paas_jax.jsonutil import write_json
 from paas_jax.models import load_config
 from paas_jax.state import state_bytes
 
@@ -72,10 +73,7 @@ def main(argv):
     print(f"{r['model']:18s} {r['seq_len']:7d} {r['fixed_bytes'] / 2**20:10.1f} "
           f"{r['per_token_bytes']:9d} {r['total_bytes'] / 2**20:10.1f} "
           f"{r['ratio_to_baseline']:8.3f} {phi:>9s}")
-  out = pathlib.Path(FLAGS.json_out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(rows, indent=1))
-  print(f"wrote {out}")
+  write_json(FLAGS.json_out, rows)
 
 
 if __name__ == "__main__":

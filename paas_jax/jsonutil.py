@@ -18,3 +18,13 @@ def jsonable(x):
   if isinstance(x, float) and not math.isfinite(x):
     return None
   return x
+
+
+def write_json(path, obj) -> None:
+  """Writes ``obj`` as strict, indented JSON, creating parent folders, and says where."""
+  import json
+  import pathlib
+  out = pathlib.Path(path)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(jsonable(obj), indent=1, allow_nan=False))
+  print(f"wrote {out}")

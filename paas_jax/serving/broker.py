@@ -41,8 +41,8 @@ from paas_jax.observability.logs import request_metadata
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.security import cli as security_cli
 from paas_jax.serving import common
-from paas_jax.serving.engine import (InvalidRequestError, RequestParams, make_sampling,
-                                     validate_request)
+from paas_jax.serving.engine import (InvalidRequestError, RequestParams, check_request_identity,
+                                     make_sampling, validate_request)
 from paas_jax.serving.routing import (PDP, PRFAAS, AdaptiveRouterPolicy, RouteDecision,
                                       RouteRequest, RoutingPolicy, StaticThresholdPolicy)
 from paas_jax.serving.tokenizer import ByteTokenizer
@@ -296,9 +296,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       self._load[(kind, index)] -= 1
 
   def _parse(self, request) -> tuple[list[int], RequestParams]:
-    if request.model and request.model != self.config.name:
-      raise InvalidRequestError(f"unknown model {request.model!r}; this broker serves "
-                                f"{self.config.name!r}")
+    check_request_identity(request, self.config, "broker", require_id=False)
     if request.prompt_ids and request.prompt:
       raise InvalidRequestError("give prompt_ids or prompt, not both")
     if request.prompt:

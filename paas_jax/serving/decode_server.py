@@ -25,9 +25,9 @@ from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.serving import cli, common
 from paas_jax.serving.batching import (DecodeJob, DecodeScheduler, PrefillBatcher, PrefillJob,
                                        QueueFullError)
-from paas_jax.serving.engine import (DecodeEngine, EngineConfig, EngineError,
-                                     InvalidRequestError, PrefillEngine, PrefillInput,
-                                     RequestParams, make_sampling, validate_request)
+from paas_jax.serving.engine import (DecodeEngine, EngineConfig, EngineError, InvalidRequestError,
+                                     PrefillEngine, PrefillInput, RequestParams,
+                                     check_request_identity, make_sampling, validate_request)
 
 log = logging.getLogger("paas_jax.serving.decode")
 
@@ -121,11 +121,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
 
   def Decode(self, request, context):
     try:
-      if request.model and request.model != self.config.name:
-        raise InvalidRequestError(f"unknown model {request.model!r}; this decode server "
-                                  f"serves {self.config.name!r}")
-      if not request.request_id or len(request.request_id) > 256:
-        raise InvalidRequestError("request_id is required (at most 256 characters)")
+      check_request_identity(request, self.config, "decode server")
       params = request_params(request)
       if request.remote_prefill:
         prompt_len = int(request.prompt_len) or len(request.prompt_ids)

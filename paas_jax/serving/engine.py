@@ -49,6 +49,22 @@ class InvalidRequestError(EngineError, ValueError):
   """The request can never be served (bad tokens, too long, bad sampling...)."""
 
 
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_request_identity(request, config: ModelConfig, server: str, *,
+                           require_id: bool = True) -> None:
+  """Refuses a request for another model, or (``require_id``) one without a
+  usable ``request_id``; ``server`` names this server in the message."""
+  if request.model and request.model != config.name:
+    raise InvalidRequestError(f"unknown model {request.model!r}; this {server} serves "
+                              f"{config.name!r}")
+  if require_id and (not request.request_id
+                     or len(request.request_id) > MAX_REQUEST_ID_CHARS):
+    raise InvalidRequestError(
+        f"request_id is required (at most {MAX_REQUEST_ID_CHARS} characters)")
+
+
 class PoolExhaustedError(EngineError):
   """No slot or not enough pages right now (retry later or queue)."""
 

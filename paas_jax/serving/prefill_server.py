@@ -29,8 +29,8 @@ from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.serving import cli, common
 from paas_jax.serving.batching import PrefillBatcher, PrefillJob
 from paas_jax.serving.engine import (EngineConfig, EngineError, InvalidRequestError,
-                                     PrefillEngine, PrefillInput, RequestParams, make_sampling,
-                                     validate_request)
+                                     PrefillEngine, PrefillInput, RequestParams,
+                                     check_request_identity, make_sampling, validate_request)
 
 log = logging.getLogger("paas_jax.serving.prefill")
 
@@ -105,11 +105,7 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     from paas_jax.codec import CodecOptions  # pylint: disable=g-import-not-at-top
     from paas_jax.transport import TransferError  # pylint: disable=g-import-not-at-top
     try:
-      if request.model and request.model != self.config.name:
-        raise InvalidRequestError(f"unknown model {request.model!r}; this prefill server "
-                                  f"serves {self.config.name!r}")
-      if not request.request_id or len(request.request_id) > 256:
-        raise InvalidRequestError("request_id is required (at most 256 characters)")
+      check_request_identity(request, self.config, "prefill server")
       if not request.decode_target:
         raise InvalidRequestError("decode_target is required")
       prompt = tuple(int(t) for t in request.prompt_ids)

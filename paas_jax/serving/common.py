@@ -212,10 +212,17 @@ def prefix_cache_gauges(engine, probe_ids: Sequence[int] = ()) -> dict:
   if cache is None:
     return {"prefix_cache_enabled": 0.0}
   st = cache.stats
+  # Hits are counted per prompt by the engine (what reuse actually saved);
+  # the cache's lookup counters are kept as prefix_lookup_*.
+  prompts = int(getattr(engine, "prefix_prompts", 0))
+  hit = int(getattr(engine, "prefix_prompts_hit", 0))
   out = {"prefix_cache_enabled": 1.0, "prefix_block": float(cache.block_size),
          "prefix_blocks": float(st.blocks), "prefix_checkpoints": float(st.checkpoints),
-         "prefix_bytes": float(st.nbytes), "prefix_hits": float(st.hits),
-         "prefix_misses": float(st.misses), "prefix_hit_tokens": float(st.hit_tokens),
+         "prefix_bytes": float(st.nbytes), "prefix_hits": float(hit),
+         "prefix_misses": float(prompts - hit),
+         "prefix_hit_tokens": float(getattr(engine, "prefix_reused_tokens", 0)),
+         "prefix_lookup_hits": float(st.hits), "prefix_lookup_misses": float(st.misses),
+         "prefix_lookup_hit_tokens": float(st.hit_tokens),
          "prefix_released_bytes": float(getattr(engine, "prefix_released_bytes", 0))}
   if probe_ids:
     out["prefix_cached_tokens"] = float(engine.cached_prefix_tokens(list(probe_ids)))

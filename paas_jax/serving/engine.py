@@ -263,6 +263,12 @@ class PrefillEngine:
     self._lock = threading.Lock()
     self.prefix_cache = None
     self.prefix_released_bytes = 0
+    # Per prompt, what the cache saved (the cache's own lookup counters also
+    # count the second lookup of a prompt whose shared part was cached just
+    # before its transfer-owned tail, so they overstate reuse).
+    self.prefix_prompts = 0
+    self.prefix_prompts_hit = 0
+    self.prefix_reused_tokens = 0
     self._pending_release: list[str] = []
     self._release_lock = threading.Lock()
     if config.prefix_block:
@@ -337,6 +343,9 @@ class PrefillEngine:
       tokens = list(x.prompt)
       # What was reusable when the request arrived (what it actually saved).
       reused = self.prefix_cache.match_length(tokens)
+      self.prefix_prompts += 1
+      self.prefix_prompts_hit += int(reused > 0)
+      self.prefix_reused_tokens += int(reused)
       keep = ((len(tokens) - 1) // block) * block if x.cache_owner is not None else 0
       if keep > reused:
         # The shared part first (owner None), then the tail owned by the transfer.

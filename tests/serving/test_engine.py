@@ -136,3 +136,27 @@ def test_validate_request(prompt, params, needle):
   from paas_jax.models import load_config
   with pytest.raises(InvalidRequestError, match=needle):
     validate_request(load_config("tiny_gdn_gqa"), prompt, params)
+
+
+def test_prefix_gauges_count_reuse_once_per_prompt():
+  """Region A style (transfer-owned tail): the gauges report what reuse saved.
+
+  The shared part of a transfer-owned prompt is cached by a first lookup and
+  reused by a second one inside the same prefill; that inner hit must not
+  count. Only the second prompt, which shares 64 cached tokens, is a hit.
+  """
+  model = common.load_model("tiny_gdn_gqa", seed=0)[0]
+  engine = PrefillEngine(model, EngineConfig(n_slots=2, max_ctx=256, prefill_buckets=(64,),
+                                             prefill_max_batch=1, prefix_block=32))
+  rng = np.random.default_rng(0)
+  shared = tuple(int(t) for t in rng.integers(0, model.config.vocab_size, 64))
+  params = RequestParams(api.SamplingParams(0.0, 0, 1.0), seed=0, max_new_tokens=2)
+  first = PrefillInput("a", shared + (1, 2, 3, 4, 5), params, cache_owner="a")
+  second = PrefillInput("b", shared + (6, 7, 8), params, cache_owner="b")
+  out_a, = engine.prefill([first])
+  out_b, = engine.prefill([second])
+  assert (out_a.cached_tokens, out_b.cached_tokens) == (0, 64)
+  g = common.prefix_cache_gauges(engine)
+  assert (g["prefix_hits"], g["prefix_misses"], g["prefix_hit_tokens"]) == (1.0, 1.0, 64.0)
+  # The cache's own lookups saw the inner hit of the first prompt as well.
+  assert g["prefix_lookup_hit_tokens"] > g["prefix_hit_tokens"]

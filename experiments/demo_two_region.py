@@ -378,6 +378,7 @@ def main(argv):
         "state_bytes": int(s.get("state_bytes", 0)),
         "transfer_s": float(s.get("transfer_s", 0.0)),
         "prefill_s": float(s.get("prefill_s", 0.0)),
+        "prefill_queue_s": float(s.get("prefill_queue_s", 0.0)),
         "decode_queue_s": float(s.get("decode_queue_s", 0.0)),
         "tokens": r.tokens, "error": r.error,
         "matches_reference": None if r.reference is None else r.tokens == r.reference})

@@ -15,6 +15,7 @@ Demo JSON schema (one object; unknown keys are ignored)::
        "input_tokens": 31000, "cached_tokens": 0, "output_tokens": 1024,
        "ttft_s": 2.3, "tpot_s": 0.021,
        "prefill_s": 1.9,                           # optional: pure prefill compute time
+       "prefill_queue_s": 0.1,                     # optional: wait for a prefill slot
        "link_bytes": 812345678}                    # bytes this request put on the link
     ]
   }
@@ -27,6 +28,13 @@ holds queueing and transfer) and the profile records that it did. S_kv comes fro
 (input_tokens, link_bytes) of cold PrfaaS requests (the link carries exactly S_kv there)
 and is shared by both routes, because it is a property of the model. The decode step time
 is the median TPOT.
+
+The per-route fixed overhead (``pdp_overhead_s``, ``prfaas_overhead_s``) is what a
+request's TTFT holds beyond its prefill wait, its prefill compute and its bytes at link
+speed: RPCs, the transfer's Begin/Commit round trips and the relay RTT, the first-token
+handoff and the first decode step. It is fitted as the median of
+``ttft_s - prefill_queue_s - prefill_s - 8*link_bytes/bandwidth`` over the requests that
+carry ``prefill_s`` (clamped at 0), and needs the link bandwidth for the PrfaaS route.
 """
 
 from __future__ import annotations
@@ -53,6 +61,10 @@ class ServiceProfile:
     decode: PD-D instance profile.
     link: PrfaaS<->PD link capacity over time (each direction gets this capacity).
     rdma_bps: intra-PD PD-P -> PD-D bandwidth per transfer (bits/s), uncontended.
+    pdp_overhead_s: fixed latency a locally prefilled request's state takes to be
+      ready for decode beyond its compute (RPC and handoff), seconds.
+    prfaas_overhead_s: the same for an offloaded request, beyond its compute and its
+      bytes at link speed (transfer round trips, RTT, first-token handoff), seconds.
     calibrated: which fields were fitted from measurements (empty for pure profiles).
   """
 
@@ -61,11 +73,20 @@ class ServiceProfile:
   decode: DecodeProfile
   link: BandwidthTrace
   rdma_bps: float = 800e9
+  pdp_overhead_s: float = 0.0
+  prfaas_overhead_s: float = 0.0
   calibrated: tuple[str, ...] = ()
 
   def __post_init__(self):
     if not (self.rdma_bps > 0 and math.isfinite(self.rdma_bps)):
       raise ValueError(f"rdma_bps must be finite and > 0, got {self.rdma_bps}")
+    for name in ("pdp_overhead_s", "prfaas_overhead_s"):
+      v = getattr(self, name)
+      if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {v}")
+
+  def overhead_s(self, route: str) -> float:
+    return self.prfaas_overhead_s if route == "prfaas" else self.pdp_overhead_s
 
   @classmethod
   def from_demo_json(cls, path: str | os.PathLike, reference: "ServiceProfile", **kwargs) -> "ServiceProfile":
@@ -124,11 +145,38 @@ class ServiceProfile:
       calibrated.append("decode_max_batch_size")
 
     link = reference.link
+    bandwidth = None
     if "link_bandwidth_bps" in data:
-      link = BandwidthTrace.constant(float(data["link_bandwidth_bps"]))
+      bandwidth = float(data["link_bandwidth_bps"])
+      link = BandwidthTrace.constant(bandwidth)
       calibrated.append("link")
+
+    overheads = {"pdp": reference.pdp_overhead_s, "prfaas": reference.prfaas_overhead_s}
+    for route in overheads:
+      resid = _overhead_samples(rows, route, bandwidth)
+      if resid:
+        overheads[route] = float(np.median(resid))
+        calibrated.append(f"{route}_overhead")
     return cls(prfaas_prefill=prfaas, pdp_prefill=pdp, decode=decode, link=link,
-               rdma_bps=reference.rdma_bps, calibrated=tuple(calibrated))
+               rdma_bps=reference.rdma_bps, pdp_overhead_s=overheads["pdp"],
+               prfaas_overhead_s=overheads["prfaas"], calibrated=tuple(calibrated))
+
+
+def _overhead_samples(rows: Iterable[dict], route: str, bandwidth_bps: float | None
+                      ) -> list[float]:
+  """TTFT left over after prefill wait, compute and link time (module docstring)."""
+  out = []
+  for r in rows:
+    if r["route"] != route or r.get("prefill_s") is None or r.get("ttft_s") is None:
+      continue
+    wire = 0.0
+    if route == "prfaas":
+      if not bandwidth_bps or r.get("link_bytes") is None:
+        continue
+      wire = 8.0 * r["link_bytes"] / bandwidth_bps
+    resid = r["ttft_s"] - (r.get("prefill_queue_s") or 0.0) - r["prefill_s"] - wire
+    out.append(max(resid, 0.0))
+  return out
 
 
 def _validate_record(i: int, r: Any) -> dict:
@@ -145,7 +193,7 @@ def _validate_record(i: int, r: Any) -> dict:
     raise ValueError(f"requests[{i}].cached_tokens must lie in [0, input_tokens]")
   if r.get("prefill_s") is None and r.get("ttft_s") is None:
     raise ValueError(f"requests[{i}] needs prefill_s or ttft_s")
-  for key in ("prefill_s", "ttft_s", "tpot_s", "link_bytes"):
+  for key in ("prefill_s", "prefill_queue_s", "ttft_s", "tpot_s", "link_bytes"):
     v = r.get(key)
     if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
       raise ValueError(f"requests[{i}].{key} must be a finite number >= 0")

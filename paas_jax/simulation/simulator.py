@@ -269,15 +269,23 @@ class Simulator:
     st["prefill_end"] = now
     req = st["req"]
     cl.cache.insert(st["layout"])
+    overhead = self.cfg.service.overhead_s(name)
     if name == "pdp":
       nbytes = self._state_bytes + self._kv_per_token * req.input_tokens
-      self.loop.schedule(now + 8.0 * nbytes / self.cfg.service.rdma_bps, self._on_state_at_decode, rid)
+      self.loop.schedule(now + 8.0 * nbytes / self.cfg.service.rdma_bps + overhead,
+                         self._on_state_at_decode, rid)
     else:
       # The PD pool already holds the KV of the first l_pd tokens; ship the rest + state.
       nbytes = self._state_bytes + self._kv_per_token * (req.input_tokens - st["l_pd"])
       st["egress"] += nbytes
-      self.egress.start(nbytes, lambda t, rid=rid: self._on_state_at_decode(rid))
+      self.egress.start(nbytes, lambda t, rid=rid: self._after_transfer(rid, overhead))
     self._try_start_prefill(cl)
+
+  def _after_transfer(self, rid: int, overhead: float) -> None:
+    if overhead > 0:
+      self.loop.schedule(self.loop.now + overhead, self._on_state_at_decode, rid)
+    else:
+      self._on_state_at_decode(rid)
 
   # --- decode -----------------------------------------------------------------------------
   def _on_state_at_decode(self, rid: int) -> None:

@@ -1,5 +1,6 @@
 """ServiceProfile calibration from demo measurements."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -84,3 +85,39 @@ def test_ttft_fallback_is_recorded_and_missing_routes_keep_reference():
 def test_bad_demo_data_raises(bad):
   with pytest.raises(ValueError):
     ServiceProfile.from_demo_records(bad, _reference())
+
+
+def test_fixed_overheads_are_fitted_and_delay_ttft_by_exactly_that():
+  """TTFT = prefill wait + compute + bytes at link speed + a fixed per-route overhead."""
+  bw = 8e6  # 1 MB/s, so the wire time is a visible part of TTFT
+  rows = []
+  for i in range(9):
+    l = 200 + 50 * i
+    nbytes = 20_000 + 256 * l
+    queue, compute = 0.01 * (i % 3), 0.05 + 1e-4 * l
+    rows.append({"route": "prfaas", "input_tokens": l, "output_tokens": 8, "prefill_s": compute,
+                 "prefill_queue_s": queue, "link_bytes": nbytes,
+                 "ttft_s": queue + compute + 8 * nbytes / bw + 0.145})
+    rows.append({"route": "pdp", "input_tokens": l // 2, "output_tokens": 8, "prefill_s": compute,
+                 "prefill_queue_s": queue, "ttft_s": queue + compute + 0.073})
+  svc = ServiceProfile.from_demo_records({"link_bandwidth_bps": bw, "requests": rows},
+                                         _reference())
+  assert {"pdp_overhead", "prfaas_overhead"} <= set(svc.calibrated)
+  assert svc.prfaas_overhead_s == pytest.approx(0.145, abs=1e-9)
+  assert svc.pdp_overhead_s == pytest.approx(0.073, abs=1e-9)
+  # Without the link bandwidth the PrfaaS overhead cannot be separated from the wire.
+  no_bw = ServiceProfile.from_demo_records({"requests": rows}, _reference())
+  assert "prfaas_overhead" not in no_bw.calibrated and no_bw.prfaas_overhead_s == 0.0
+
+  def ttfts(service):
+    cfg = SimConfig(service=service, deployment=Deployment(1, 1, 1),
+                    router=PrfaasRouter(RouterConfig(threshold_tokens=300)))
+    res = simulate(cfg, [SimRequest(0, 0.0, 500, 8), SimRequest(1, 100.0, 100, 8)])
+    return {r.route: r.ttft_s for r in res.records}
+
+  bare = ttfts(dataclasses.replace(svc, pdp_overhead_s=0.0, prfaas_overhead_s=0.0))
+  fitted = ttfts(svc)
+  assert fitted["prfaas"] - bare["prfaas"] == pytest.approx(0.145, abs=1e-9)
+  assert fitted["pdp"] - bare["pdp"] == pytest.approx(0.073, abs=1e-9)
+  with pytest.raises(ValueError, match="pdp_overhead_s"):
+    dataclasses.replace(svc, pdp_overhead_s=-1.0)

@@ -57,6 +57,10 @@ flags.DEFINE_enum("netem", "relay", ["relay", "netns", "auto"],
                   "relay: userspace relay (anywhere); netns: region A in a network namespace "
                   "with tbf shaping plus the relay for delay (root); auto: netns if possible.")
 flags.DEFINE_integer("n_slots", 8, "Decode slots in region B.")
+flags.DEFINE_integer("pd_nodes", 1, "PD nodes (decode servers) in region B; > 1 splits them into "
+                     "PD-P and PD-D roles (report: routing.router.roles / role_moves).")
+flags.DEFINE_bool("rebalance_apply", False, "Let the broker apply the rebalancer: t and, with "
+                  "--pd_nodes > 1, PD node roles.")
 flags.DEFINE_integer("max_queue", 64, "Requests allowed to wait for a decode slot.")
 flags.DEFINE_list("prefill_buckets", ["64", "256"], "Prefill chunk buckets (largest = chunk).")
 flags.DEFINE_enum("codec", "raw", ["raw", "zstd", "blosc"], "State codec on the link.")
@@ -301,7 +305,8 @@ def main(argv):
                      compilation_cache=FLAGS.compilation_cache, tls=FLAGS.tls,
                      prefill_faults={"kill_prefill": "kill_after_layers=2",
                                      "corrupt_chunks": "corrupt_chunks=3"}.get(FLAGS.fault, ""),
-                     flaky_wan=FLAGS.fault in ("drop_link", "stall_link"))
+                     flaky_wan=FLAGS.fault in ("drop_link", "stall_link"),
+                     pd_nodes=FLAGS.pd_nodes, rebalance_apply=FLAGS.rebalance_apply)
   lengths = [len(r.prompt) for r in reqs]
   print(f"model      : {config.name} (random init, seed {FLAGS.seed}), context {context}")
   print(f"workload   : {len(reqs)} requests, Poisson {FLAGS.rate:g}/s, {max_new} new tokens; "
@@ -373,6 +378,11 @@ def main(argv):
         "prefix_source": rec.get("prefix_source", ""),
         "l_pd_cached": rec.get("l_pd_cached", 0), "l_prfaas_cached": rec.get("l_prfaas_cached", 0),
         "cached_tokens": int(rec.get("cached_tokens", s.get("cached_tokens", 0))),
+        "prefix_transfer": rec.get("prefix_transfer", ""),
+        "prefix_transfer_tokens": int(rec.get("prefix_transfer_tokens", 0)),
+        "prefix_transfer_bytes": int(rec.get("prefix_transfer_bytes", 0)),
+        "prefix_transfer_s": float(rec.get("prefix_transfer_s", 0.0)),
+        "prefix_transfer_error": rec.get("prefix_transfer_error", ""),
         "temperature": r.temperature, "seed": r.seed, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
         "total_s": r.total_s, "link_bytes": int(s.get("link_bytes", 0)),
         "state_bytes": int(s.get("state_bytes", 0)),
@@ -406,8 +416,12 @@ def main(argv):
       "decisions": reasons,
       "cross_cluster_prefix_decisions": sum(
           1 for r in ok if r["prefix_source"] not in ("", "none", r["route"])),
+      # Of those, shipped (ExportPrefix) and failed (prefilled without the prefix).
+      "prefix_transfers": sum(1 for r in ok if r["prefix_transfer_tokens"] > 0),
+      "prefix_transfer_failed": sum(1 for r in ok if r["prefix_transfer_error"]),
       "live_view": router_info.get("live_view"), "rebalance": router_info.get("rebalance"),
       "router_config": router_info.get("router_config"),
+      "pd_roles": router_info.get("roles"), "role_moves": router_info.get("role_moves"),
   }
   prefix_cache = {
       "block_tokens": FLAGS.prefix_block, "shared_prefix_tokens": FLAGS.shared_prefix_tokens,
@@ -415,6 +429,14 @@ def main(argv):
       "hit_tokens_by_route": {rt: int(sum(r["cached_tokens"] for r in ok if r["route"] == rt))
                               for rt in ("pdp", "prfaas")},
       "requests_with_hits": sum(1 for r in ok if r["cached_tokens"] > 0),
+      # Cross-cluster prefix transfers, by direction ("prfaas->pdp", "pdp->prfaas").
+      "transferred": {d: {"requests": len(sel),
+                          "tokens": int(sum(r["prefix_transfer_tokens"] for r in sel)),
+                          "link_bytes": int(sum(r["prefix_transfer_bytes"] for r in sel)),
+                          "seconds": _stats([r["prefix_transfer_s"] for r in sel])}
+                      for d in ("prfaas->pdp", "pdp->prfaas")
+                      for sel in [[r for r in ok if r["prefix_transfer"] == d
+                                   and r["prefix_transfer_tokens"] > 0]]},
       "prompt_tokens": int(sum(r["prompt_tokens"] for r in ok)),
       "decode_server": {k: v for k, v in decode_stats.items() if k.startswith("prefix")},
       "prefill_server": {k: v for k, v in prefill_stats.items() if k.startswith("prefix")},
@@ -491,6 +513,10 @@ def main(argv):
   print(f"prefix cache     : {prefix_cache['hit_tokens']} hit tokens of "
         f"{prefix_cache['prompt_tokens']} prompt tokens ({prefix_cache['requests_with_hits']} "
         f"requests hit; by route {json.dumps(prefix_cache['hit_tokens_by_route'])})")
+  for d, t in prefix_cache["transferred"].items():
+    if t["requests"]:
+      print(f"prefix transfer  : {d}: {t['requests']} requests, {t['tokens']} tokens, "
+            f"{t['link_bytes']} bytes on the link")
   if FLAGS.fault != "none":
     f = report["fault"]
     for event in fault_log:

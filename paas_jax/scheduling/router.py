@@ -231,8 +231,11 @@ class PrfaasRouter:
         return RoutingDecision("pdp", "pdp" if l_pd else "none", l_pd, t_eff, mode, f"scarce:short;{adj}")
       return RoutingDecision("prfaas", "prfaas" if l_rf else "none", l_rf, t_eff, mode, f"scarce:long;{adj}")
     l_prefix = max(l_pd, l_rf)
-    # Ties go to the local copy: same reuse, no link traffic.
-    source: PrefixSource = "none" if l_prefix == 0 else ("pdp" if l_pd >= l_rf else "prfaas")
     route: Route = "pdp" if request.l_total - l_prefix <= t_eff else "prfaas"
+    # Ties go to the copy in the cluster that prefills: same reuse, no link
+    # traffic (else an offloaded request would re-ship a prefix PrfaaS holds).
+    own = l_pd if route == "pdp" else l_rf
+    other: PrefixSource = "prfaas" if route == "pdp" else "pdp"
+    source: PrefixSource = "none" if l_prefix == 0 else (route if own >= l_prefix else other)
     return RoutingDecision(route, source, l_prefix, t_eff, mode,
                            f"abundant:{'short' if route == 'pdp' else 'long'};{adj}")

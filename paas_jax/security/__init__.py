@@ -18,7 +18,8 @@ import grpc
 from paas_jax.security.auth import (BearerTokenInterceptor, TokenSet, generate_token,
                                     read_token, token_metadata)
 from paas_jax.security.ca import CertFiles, LocalCA, cert_files, make_certs
-from paas_jax.security.peers import PeerIdentityInterceptor, peer_names, service_rules
+from paas_jax.security.peers import (PeerIdentityInterceptor, admin_interceptor, peer_names,
+                                     service_rules)
 from paas_jax.security.tls import (SecurityConfigError, TLSConfig, add_port,
                                    channel_credentials, server_credentials,
                                    target_name_override)
@@ -61,6 +62,9 @@ class ServiceSecurity:
     require_certs = self.role != "broker" or self.public_client_auth
     if not self.insecure and require_certs:
       out.append(PeerIdentityInterceptor(service_rules(self.role), on_result=on_peer))
+    elif not self.insecure and self.role == "broker":
+      # Token-only public port: still guard the operator method (SetRoles).
+      out.append(admin_interceptor(on_result=on_peer))
     return out
 
 

@@ -35,6 +35,10 @@ STATE_TRANSFER_PREFIX = "/paas_jax.transport.v1.StateTransfer/"
 DECODE_PREFIX = "/paas_jax.serving.v1.Decode/"
 PREFILL_PREFIX = "/paas_jax.serving.v1.Prefill/"
 BROKER_PREFIX = "/paas_jax.serving.v1.Broker/"
+# The broker's operator method: only an identified operator (or a broker) may
+# move PD nodes between roles; a bearer token alone is a client, not an operator.
+BROKER_ADMIN_METHOD = BROKER_PREFIX + "SetRoles"
+BROKER_ADMIN_PEERS = ("admin*", "broker*")
 
 
 def peer_names(context: grpc.ServicerContext) -> list[str] | None:
@@ -55,16 +59,22 @@ def service_rules(role: str) -> dict[str, list[str]]:
   """The default rules of one server role in the paas-jax topology.
 
   broker: the public API takes any authenticated client (bearer tokens do
-  the authorisation there). prefill: only brokers may ask for prefills.
-  decode: only brokers may register requests; only prefill servers may push
-  states (and decode servers, which may hand work to one another).
+  the authorisation there). prefill: only brokers may ask for prefills (and
+  prefix exports); only decode servers may push states to its transfer port
+  (cross-cluster prefix transfers, which its receiver accepts alone).
+  decode: only brokers may register requests or ask a PD node to prefill as
+  PD-P for another PD node (Prefill); only prefill servers may push states
+  (and decode servers, which hand work to one another: PD-P -> PD-D).
+  ``Broker/SetRoles`` (moving PD nodes between roles) needs a certificate
+  named ``admin*`` or ``broker*``; see ``admin_interceptor``.
   """
   if role == "broker":
-    return {BROKER_PREFIX: ["*"]}
+    return {BROKER_PREFIX: ["*"], BROKER_ADMIN_METHOD: list(BROKER_ADMIN_PEERS)}
   if role == "prefill":
-    return {PREFILL_PREFIX: ["broker*"]}
+    return {PREFILL_PREFIX: ["broker*"], STATE_TRANSFER_PREFIX: ["decode*"]}
   if role == "decode":
-    return {DECODE_PREFIX: ["broker*"], STATE_TRANSFER_PREFIX: ["prefill*", "decode*"]}
+    return {DECODE_PREFIX: ["broker*"], PREFILL_PREFIX: ["broker*"],
+            STATE_TRANSFER_PREFIX: ["prefill*", "decode*"]}
   raise ValueError(f"unknown role {role!r} (broker, prefill or decode)")
 
 
@@ -82,8 +92,11 @@ class PeerIdentityInterceptor(grpc.ServerInterceptor):
 
   def __init__(self, rules: Mapping[str, Sequence[str]], *,
                default: Sequence[str] | None = None,
-               exempt: Sequence[str] = (interceptors.HEALTH_PREFIX,), on_result=None):
+               exempt: Sequence[str] = (interceptors.HEALTH_PREFIX,), on_result=None,
+               only_ruled: bool = False):
     self.rules = sorted(((p, tuple(v)) for p, v in rules.items()), key=lambda r: -len(r[0]))
+    # only_ruled: methods no rule covers pass unchecked (admin_interceptor).
+    self.only_ruled = only_ruled
     self.default = None if default is None else tuple(default)
     self.exempt = tuple(exempt)
     self._on_result = on_result
@@ -106,6 +119,8 @@ class PeerIdentityInterceptor(grpc.ServerInterceptor):
     if interceptors.matches(method, self.exempt):
       return continuation(handler_call_details)
     patterns = self.patterns_for(method)
+    if patterns is None and self.only_ruled:
+      return continuation(handler_call_details)
 
     def check(context: grpc.ServicerContext) -> None:
       names = peer_names(context)
@@ -125,3 +140,13 @@ class PeerIdentityInterceptor(grpc.ServerInterceptor):
       self._report(method, True, names)
 
     return interceptors.guarded(continuation(handler_call_details), check)
+
+
+def admin_interceptor(on_result=None) -> PeerIdentityInterceptor:
+  """For a broker whose public port takes bearer tokens without client
+  certificates: checks only ``Broker/SetRoles`` (a peer certificate named
+  ``admin*``/``broker*``) and lets every other method through to the token
+  check. Such a port requests no certificates, so SetRoles is refused there
+  (UNAUTHENTICATED) unless the broker runs with ``public_client_auth``."""
+  return PeerIdentityInterceptor({BROKER_ADMIN_METHOD: list(BROKER_ADMIN_PEERS)},
+                                 on_result=on_result, only_ruled=True)

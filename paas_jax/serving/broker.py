@@ -41,6 +41,7 @@ from paas_jax.observability.logs import request_metadata
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.security import cli as security_cli
 from paas_jax.serving import common
+from paas_jax.serving import pd_roles
 from paas_jax.serving.engine import (InvalidRequestError, RequestParams, check_request_identity,
                                      make_sampling, validate_request)
 from paas_jax.serving.routing import (PDP, PRFAAS, AdaptiveRouterPolicy, RouteDecision,
@@ -56,6 +57,9 @@ MAX_STOP_TOKENS = 1024
 MAX_REQUEST_BYTES = 16 << 20
 # Tries per request: the first plus re-prefills / restarts after faults.
 MAX_ATTEMPTS = 3
+# Deadline of a cross-cluster prefix transfer (ExportPrefix); past it the
+# request prefills without the prefix (at most half its own time left).
+PREFIX_TRANSFER_TIMEOUT_S = 10.0
 Code = grpc.StatusCode
 
 
@@ -66,6 +70,13 @@ class DecodeTarget:
 
   control: str
   transfer: str
+  # Its StateTransfer address inside region B (PD-P node -> PD-D node states
+  # never cross the WAN relay); empty: same as ``transfer``.
+  local_transfer: str = ""
+
+  @property
+  def intra_transfer(self) -> str:
+    return self.local_transfer or self.transfer
 
 
 @dataclasses.dataclass
@@ -97,6 +108,16 @@ class RequestRecord:
   prefix_source: str = ""
   bandwidth_mode: str = ""
   cached_tokens: int = 0
+  # Cross-cluster prefix transfer before the prefill (abundant link, longer
+  # prefix in the other region): direction ("prfaas->pdp" | "pdp->prfaas"),
+  # what crossed, and why it did not ("CODE: message"; the request then
+  # prefilled without it).
+  prefix_transfer: str = ""
+  prefix_transfer_tokens: int = 0
+  prefix_transfer_bytes: int = 0
+  prefix_transfer_s: float = 0.0
+  prefix_transfer_error: str = ""
+  prefix_node: int = -1  # the PD node a prefix was shipped to (its PD-P should prefill)
   transfer_s: float = 0.0
   decode_queue_s: float = 0.0
   link_bytes: int = 0
@@ -106,6 +127,9 @@ class RequestRecord:
   error: str = ""
   total_s: float = 0.0
   client_gone: bool = False
+  # Route pdp prefilled on a PD-P node and decoded on another (PD-D) node: the
+  # state moved like a PrfaaS one, inside region B.
+  pd_split: bool = False
   attempts: int = 0
   reroutes: list = dataclasses.field(default_factory=list)
   # Tokens already sent to the client: a restarted request must reproduce
@@ -128,7 +152,9 @@ class RequestRecord:
         state_bytes=self.state_bytes, generated_tokens=self.generated,
         total_s=self.total_s, finish_reason=self.finish_reason,
         prefill_batch_size=self.prefill_batch_size, cached_tokens=self.cached_tokens,
-        prefix_source=self.prefix_source)
+        prefix_source=self.prefix_source, prefix_transfer_tokens=self.prefix_transfer_tokens,
+        prefix_transfer_bytes=self.prefix_transfer_bytes,
+        prefix_transfer_s=self.prefix_transfer_s)
 
   def to_dict(self) -> dict:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -168,7 +194,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
                decode_targets: Sequence[DecodeTarget], tokenizer=None,
                channel_credentials: grpc.ChannelCredentials | None = None,
                codec_json: str = "", recent_kept: int = 512, metrics=None,
-               max_attempts: int = MAX_ATTEMPTS, health_interval_s: float = 1.0):
+               max_attempts: int = MAX_ATTEMPTS, health_interval_s: float = 1.0,
+               roles: Sequence[str] | None = None):
     if not decode_targets:
       raise ValueError("the broker needs at least one decode server")
     self.config = model_config
@@ -189,6 +216,16 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
                            for c in self._channels[:len(self.prefill_targets)]]
     self._decode_stubs = [serving_pb2_grpc.DecodeStub(c)
                           for c in self._channels[len(self.prefill_targets):]]
+    # Every PD node also serves Prefill (PD-P for another PD node), same channel.
+    self._pdp_stubs = [serving_pb2_grpc.PrefillStub(c)
+                       for c in self._channels[len(self.prefill_targets):]]
+    # PD node roles (paas_jax/serving/pd_roles.py), guarded by _lock. One node:
+    # "both" (colocated PD-P + PD-D); more: a PD-P / PD-D split.
+    self._roles = tuple(pd_roles.NodeRole(r) for r in pd_roles.validate_roles(
+        roles if roles is not None else pd_roles.default_roles(len(self.decode_targets))))
+    if len(self._roles) != len(self.decode_targets):
+      raise ValueError(f"{len(self._roles)} roles for {len(self.decode_targets)} PD nodes")
+    self.role_moves: collections.deque[dict] = collections.deque(maxlen=256)
     # Probed only once start_health() runs; until then every server counts as up.
     # Probes go over the same channels as the real calls: a server counts as
     # back only once the channel the requests will use has reconnected.
@@ -209,6 +246,13 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     self.live = None
     self.rebalance: dict = {}
     self.rebalance_apply = False
+    # Cross-cluster prefix transfers (ExportPrefix). Region A -> B needs only
+    # the decode targets' transfer addresses: on from the start. B -> A once
+    # enable_prefix_transfer is given region A's prefix (transfer) ports.
+    self.prefill_transfer_targets: list[str] = []
+    self.prefix_sources: frozenset = frozenset()
+    self.prefix_transfer_timeout_s = PREFIX_TRANSFER_TIMEOUT_S
+    self.enable_prefix_transfer()
 
   def enable_live_view(self, link_bandwidth_bps: float, *, poll_s: float = 0.2,
                        rebalance_every_s: float = 5.0, n_slots: int = 8,
@@ -225,6 +269,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     self.live = LiveClusterState(self._prefill_stubs, self._decode_stubs,
                                  link_bandwidth_bps=link_bandwidth_bps, poll_s=poll_s)
     self.live.probe_enabled = probe_prefix
+    self.live.instance_counts = self.instance_counts
     if getattr(self.policy, "view", False) is None:
       self.policy.view = self.live.view
     self.rebalance_apply = apply_threshold
@@ -238,25 +283,54 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     from paas_jax.serving.live_view import rebalance_step  # pylint: disable=g-import-not-at-top
     with self._lock:
       recs = [r for r in self._recent if r.phase == "finished"]
+      n_p_now, _ = pd_roles.split(self._roles)
+      moving = any(n.draining for n in self._roles)
+    # TPOT per request: decode time after the first token over the tokens that
+    # followed it (decode step at the batch size it ran with).
     rows = [{"route": r.route, "input_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
              "output_tokens": max(r.generated, 1), "prefill_s": r.prefill_s,
-             "link_bytes": r.link_bytes if r.route == PRFAAS else None} for r in recs]
+             "link_bytes": r.link_bytes if r.route == PRFAAS else None,
+             "tpot_s": ((r.total_s - r.first_token_s) / (r.generated - 1)
+                        if r.generated > 1 and r.total_s > r.first_token_s > 0 else None)}
+            for r in recs]
     router = getattr(self.policy, "router", None)
     t = router.threshold_tokens if router is not None else getattr(
         self.policy, "threshold_tokens", float("inf"))
+    n_nodes = len(self.decode_targets)
     prop = rebalance_step(rows, threshold=t, n_slots=self._n_slots,
-                          link_bandwidth_bps=self.live.link_bandwidth_bps)
+                          link_bandwidth_bps=self.live.link_bandwidth_bps,
+                          n_pd_nodes=n_nodes, current_n_p=n_p_now,
+                          n_prfaas=len(self.prefill_targets))
     prop["time"] = time.time()
     self.rebalance = prop
-    if prop.get("status") == "ok":
-      log.info("rebalance: t %.0f -> %.0f (gain %.1f%%, apply=%s; split pinned)",
-               prop["current_threshold"], prop["proposed_threshold"],
-               100 * prop["relative_gain"], prop["apply"] and self.rebalance_apply)
-      if self.rebalance_apply and prop["apply"] and router is not None:
-        self.policy.router = router.with_threshold(
-            prop["proposed_threshold"], prfaas_service_s=max(prop["prfaas_service_s"], 1e-3),
-            pdp_service_s=max(prop["pdp_service_s"], 1e-3))
+    if prop.get("status") != "ok":
+      return
+    apply = self.rebalance_apply and prop["apply"]
+    log.info("rebalance: t %.0f -> %.0f, N_p %d -> %d (gain %.1f%%, apply=%s)",
+             prop["current_threshold"], prop["proposed_threshold"], n_p_now,
+             prop["proposed_split"]["n_p"], 100 * prop["relative_gain"], apply)
+    if router is not None:
+      # The measured service times are measurements, not a policy change: the
+      # router's wait estimates get them every step; t only with apply.
+      self.policy.router = router.with_threshold(
+          prop["proposed_threshold"] if apply else router.threshold_tokens,
+          prfaas_service_s=max(prop["prfaas_service_s"], 1e-3),
+          pdp_service_s=max(prop["pdp_service_s"], 1e-3))
+      self.counters["service_times_updated"] += 1
+      if apply:
         self.counters["rebalance_applied"] += 1
+    n_p = prop["proposed_split"]["n_p"]
+    if apply and n_nodes > 1 and n_p != n_p_now and not moving:
+      # Flip the fewest nodes, preferring those with the least work to drain.
+      with self._lock:
+        roles = [n.final for n in self._roles]
+        load = {i: self._load[("decode", i)] + self._load[("pdp", i)] for i in range(n_nodes)}
+      try:
+        self.set_roles(pd_roles.plan_split(roles, n_p, load),
+                       reason=f"rebalance: N_p {n_p_now}->{n_p}, "
+                              f"gain {100 * prop['relative_gain']:.1f}%")
+      except pd_roles.RoleError as e:
+        log.warning("rebalance: cannot move PD nodes: %s", e)
 
   def start_health(self) -> None:
     self.health.start()
@@ -277,23 +351,106 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     return (self.prefill_targets[index] if kind == "prefill"
             else self.decode_targets[index].control)
 
-  def _pick(self, kind: str, exclude=()) -> int | None:
-    """The least loaded healthy server of ``kind`` not in ``exclude`` (None: none)."""
+  def _pick(self, kind: str, exclude=(), prefer: int = -1) -> int | None:
+    """The least loaded healthy server of ``kind`` not in ``exclude`` (None: none).
+
+    kind "prefill": a PrfaaS server; "decode": a PD node serving decode (role
+    pdd/both, not draining away from it), or, when none is healthy, any
+    healthy PD node (colocated fallback), non-draining ones first; "pdp": a PD
+    node serving PD-P prefill (no fallback: the caller prefills colocated).
+    ``prefer``: taken whenever it qualifies (where a shipped prefix waits).
+    """
     n = len(self.prefill_targets) if kind == "prefill" else len(self.decode_targets)
     with self._lock:
       start = next(self._rr)
       order = [(start + i) % n for i in range(n)]
       order = [i for i in order if i not in exclude
                and self.health.is_healthy(self._address(kind, i))]
+      if kind == "decode":
+        order = ([i for i in order if pd_roles.DECODE in self._roles[i].serving]
+                 or [i for i in order if not self._roles[i].draining] or order)
+      elif kind == "pdp":
+        order = [i for i in order if pd_roles.PREFILL in self._roles[i].serving]
       if not order:
         return None
-      best = min(order, key=lambda i: self._load[(kind, i)])
+      best = prefer if prefer in order else min(order, key=lambda i: self._load[(kind, i)])
       self._load[(kind, best)] += 1
       return best
 
   def _release(self, kind: str, index: int) -> None:
     with self._lock:
       self._load[(kind, index)] -= 1
+      if kind != "prefill":
+        self._settle_roles_locked()
+
+  # -- PD node roles ----------------------------------------------------------------
+
+  def _settle_roles_locked(self) -> None:
+    """Completes the moves whose old-role work has drained (caller holds _lock).
+    Decode work = decode streams (colocated requests included: they hold a
+    slot); prefill work = PD-P prefills for other nodes, until their state
+    transfer ended."""
+    if not any(n.draining for n in self._roles):
+      return
+    inflight = {}
+    for i in range(len(self._roles)):
+      inflight[(i, pd_roles.DECODE)] = self._load[("decode", i)]
+      inflight[(i, pd_roles.PREFILL)] = self._load[("pdp", i)]
+    self._roles, done = pd_roles.settle(self._roles, inflight)
+    now = time.time()
+    for i in done:
+      for m in reversed(self.role_moves):
+        if m["index"] == i and m["completed"] is None:
+          m["completed"], m["drain_s"] = now, now - m["time"]
+          break
+      self.counters["role_moves_completed"] += 1
+      log.info("PD node %s now serves role %s", self.decode_targets[i].control,
+               self._roles[i].role)
+
+  def set_roles(self, roles: Sequence[str], reason: str = "operator") -> list:
+    """Moves PD nodes to ``roles`` (one per node, in decode-target order).
+
+    Returns the moves started (``pd_roles.RoleMove``). Each moving node drains
+    first (module ``pd_roles``); ``router.role_moves`` in GetStats records
+    when it started and completed. Raises ``pd_roles.RoleError`` (nothing
+    changes) for an unknown role, a wrong count or no node left to decode.
+    """
+    with self._lock:
+      nodes, moves = pd_roles.begin_moves(self._roles, roles)
+      self._roles = nodes
+      now = time.time()
+      for m in moves:
+        self.role_moves.append({"time": now, "node": self.decode_targets[m.node].control,
+                                "index": m.node, "from": m.from_role, "to": m.to_role,
+                                "reason": reason, "completed": None, "drain_s": None})
+        log.info("PD node %s: %s -> %s (%s)", self.decode_targets[m.node].control,
+                 m.from_role, m.to_role, reason)
+      self.counters["role_moves"] += len(moves)
+      self._settle_roles_locked()
+    return moves
+
+  def roles(self) -> list[str]:
+    """The role each PD node serves or is draining toward."""
+    with self._lock:
+      return [n.final for n in self._roles]
+
+  def roles_info(self) -> list[dict]:
+    with self._lock:
+      nodes = list(self._roles)
+      load = dict(self._load)
+    return [{"node": t.control, "index": i, "role": n.role, "target": n.final,
+             "draining": n.draining, "serving": sorted(n.serving),
+             "inflight_decode": load.get(("decode", i), 0),
+             "inflight_prefill": load.get(("pdp", i), 0),
+             "healthy": self.health.is_healthy(t.control)}
+            for i, (t, n) in enumerate(zip(self.decode_targets, nodes))]
+
+  def instance_counts(self) -> tuple[int, int]:
+    """(PD-P, PD-D) instances by role now (draining ones count for the
+    capabilities they still serve), for the router's ClusterView. Health is
+    left to the picking, as for the PrfaaS instance count."""
+    with self._lock:
+      return pd_roles.serving_counts(self._roles)
 
   def _parse(self, request) -> tuple[list[int], RequestParams]:
     check_request_identity(request, self.config, "broker", require_id=False)
@@ -452,11 +609,13 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         raise _Abort(Code.UNAVAILABLE, "no healthy decode server in the PD region"
                      + (f" (after: {rec.reroutes[-1]})" if rec.reroutes else ""), "decode")
       try:
+        if attempt == 0:
+          self._ship_prefix(rec, prompt, context, route, di, pi, calls)
         if route == PRFAAS:
           yield from self._remote_once(rec, prompt, params, calls, context, downstream_id,
                                        di, pi)
         else:
-          yield from self._local(rec, prompt, params, calls, context, downstream_id, di)
+          yield from self._pd_prefill(rec, prompt, params, calls, context, downstream_id, di)
         return
       except _Abort as e:
         if e.code == Code.UNAVAILABLE and not rec.client_gone:
@@ -487,6 +646,120 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         self._release("decode", di)
         if pi is not None:
           self._release("prefill", pi)
+
+  # -- cross-cluster prefix transfer ------------------------------------------------
+
+  def enable_prefix_transfer(self, prefill_transfer_targets: Sequence[str] = (), *,
+                             enabled: bool = True, timeout_s: float | None = None) -> None:
+    """Which cross-cluster prefix transfers this broker does, and tells the policy.
+
+    ``prefill_transfer_targets``: region A's prefix (StateTransfer) ports as
+    the PD nodes reach them (e.g. the relay's B->A route), one per prefill
+    target; without them only region A's prefixes are shipped (to PD-P).
+    ``enabled=False`` ships none: an ``AdaptiveRouterPolicy`` then re-takes
+    such decisions with the scarce rule (``no_cross_cluster_prefix``).
+    """
+    targets = list(prefill_transfer_targets)
+    if targets and len(targets) != len(self.prefill_targets):
+      raise ValueError(f"{len(targets)} prefill transfer targets for "
+                       f"{len(self.prefill_targets)} prefill servers")
+    self.prefill_transfer_targets = targets
+    if timeout_s is not None:
+      self.prefix_transfer_timeout_s = timeout_s
+    sources = set()
+    if enabled and self.prefill_targets:
+      sources.add(PRFAAS)
+      if targets:
+        sources.add(PDP)
+    self.prefix_sources = frozenset(sources)
+    if hasattr(self.policy, "cross_cluster_prefix"):
+      self.policy.cross_cluster_prefix = self.prefix_sources
+
+  def _prefix_importer_node(self, di: int) -> int:
+    """The PD node whose PD-P prefix cache should get a prefix from region A:
+    the decode node when it prefills colocated, else the PD-P node
+    ``_pd_prefill`` would pick now (the least loaded healthy one)."""
+    with self._lock:
+      if len(self.decode_targets) == 1 or pd_roles.PREFILL in self._roles[di].serving:
+        return di
+      nodes = [i for i in range(len(self.decode_targets)) if i != di
+               and pd_roles.PREFILL in self._roles[i].serving
+               and self.health.is_healthy(self._address("decode", i))]
+      return min(nodes, key=lambda i: self._load[("pdp", i)]) if nodes else di
+
+  def _ship_prefix(self, rec: RequestRecord, prompt, context, route: str, di: int,
+                   pi: int | None, calls: dict) -> None:
+    """Ships the longer cached prefix to the region that will prefill, if the
+    router chose one in the other region (abundant link). Never fails the
+    request: on any error (or past its deadline) the request just prefills
+    without it, and route_reason says so."""
+    src = rec.prefix_source
+    if src == route or src not in self.prefix_sources:
+      return
+    n = rec.l_prfaas_cached if src == PRFAAS else rec.l_pd_cached
+    if n <= 0 or (route == PRFAAS and pi is None):
+      return
+    if src == PRFAAS:
+      # Any prefill server may hold it (the probe took the max); try the healthy ones.
+      exporters = [(self._prefill_stubs[i], self.prefill_targets[i])
+                   for i in range(len(self.prefill_targets))
+                   if self.health.is_healthy(self.prefill_targets[i])]
+      rec.prefix_node = self._prefix_importer_node(di)
+      target, link = self.decode_targets[rec.prefix_node].transfer, "A->B"
+    else:
+      order = [di] + [i for i in range(len(self.decode_targets)) if i != di]
+      exporters = [(self._decode_stubs[i], self.decode_targets[i].control) for i in order
+                   if self.health.is_healthy(self.decode_targets[i].control)]
+      target, link = self.prefill_transfer_targets[pi], "B->A"
+    rec.prefix_transfer = f"{src}->{route}"
+    rec.phase = "prefix_transfer"
+    budget = min(self.prefix_transfer_timeout_s, common.remaining_s(context) / 2)
+    deadline = time.monotonic() + budget
+    req = serving_pb2.ExportPrefixRequest(transfer_id=rec.downstream_id, model=self.config.name,
+                                          prompt_ids=prompt, max_tokens=n, target=target)
+    live, tid = self.live, f"prefix:{rec.downstream_id}"
+    if live is not None:
+      live.transfer_started(tid, n, direction=link)
+    resp, error = None, "no healthy exporter"
+    try:
+      for stub, address in exporters:
+        left = deadline - time.monotonic()
+        if left <= 0 or rec.client_gone:
+          error = error if rec.client_gone else f"DEADLINE_EXCEEDED: {budget:.1f} s budget spent"
+          break
+        # A future in ``calls``: a client that goes away cancels the export too.
+        fut = stub.ExportPrefix.future(req, timeout=left,
+                                       metadata=request_metadata(rec.request_id))
+        calls["prefix"] = fut
+        try:
+          resp = fut.result()
+          break
+        except grpc.RpcError as e:
+          error = f"{common.rpc_code(e).name}: {address}: {common.rpc_details(e)}"
+          if common.rpc_code(e) != Code.NOT_FOUND:
+            break  # the link or the importer failed: another exporter would too
+    finally:
+      calls.pop("prefix", None)
+      if live is not None:
+        live.transfer_finished(tid, prompt_tokens=resp.tokens if resp else 0,
+                               nbytes=resp.bytes_sent if resp else 0,
+                               duration_s=resp.transfer_s if resp else 0.0, direction=link)
+      rec.phase = "routed"
+    if resp is None:
+      rec.prefix_transfer_error = error
+      rec.route_reason += f";prefix_transfer_failed({src}->{route}):{error.split(':', 1)[0]}"
+      self.counters["prefix_transfer_failed"] += 1
+      log.warning("request %s: prefix transfer %s failed, prefilling without it: %s",
+                  rec.request_id, rec.prefix_transfer, error,
+                  extra={"request_id": rec.request_id})
+      return
+    rec.prefix_transfer_tokens = resp.tokens
+    rec.prefix_transfer_bytes = resp.bytes_sent
+    rec.prefix_transfer_s = resp.transfer_s
+    rec.route_reason += f";prefix_transfer({src}->{route}):{resp.tokens}"
+    self.counters["prefix_transfers"] += 1
+    self.counters["prefix_transfer_tokens"] += resp.tokens
+    self.counters["prefix_transfer_bytes"] += resp.bytes_sent
 
   def _retryable(self, rec: RequestRecord, e: _Abort, context) -> bool:
     if rec.client_gone or e.side in ("request", "admission"):
@@ -534,7 +807,41 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         sampling=self._sampling_msg(params), seed=params.seed,
         max_new_tokens=params.max_new_tokens, stop_tokens=list(params.stop_tokens))
 
+  def _pd_prefill(self, rec, prompt, params, calls, context, downstream_id: str, di: int):
+    """Route pdp, decoding on PD node ``di``: colocated when ``di`` also serves
+    PD-P (one node, a "both" node) or no PD-P node is healthy (fallback);
+    otherwise a PD-P node prefills and streams the state to ``di`` inside
+    region B (the PrfaaS machinery with another prefill stub and address)."""
+    with self._lock:
+      colocated = (len(self.decode_targets) == 1
+                   or pd_roles.PREFILL in self._roles[di].serving)
+    ni = None if colocated else self._pick("pdp", exclude={di}, prefer=rec.prefix_node)
+    if ni is None:
+      if not colocated:
+        self.counters["pdp_colocated_fallback"] += 1
+        if "no_pdp_node" not in rec.route_reason:
+          rec.route_reason += ";fallback:no_pdp_node:colocated"
+      yield from self._local(rec, prompt, params, calls, context, downstream_id, di)
+      return
+    released = threading.Event()
+
+    def release():
+      # The PD-P node's part ends with its state transfer, not with the decode.
+      if not released.is_set():
+        released.set()
+        self._release("pdp", ni)
+    try:
+      yield from self._remote_once(rec, prompt, params, calls, context, downstream_id, di,
+                                   None, pd_node=ni, on_prefill_done=release)
+    except _Abort as e:
+      if e.side == "prefill" and e.code == Code.UNAVAILABLE and not rec.client_gone:
+        self.health.mark_down(self._address("pdp", ni), e.message)
+      raise
+    finally:
+      release()
+
   def _local(self, rec, prompt, params, calls, context, downstream_id: str, di: int):
+    rec.pd_split = False
     rec.decode_server = self.decode_targets[di].control
     rec.prefill_server = rec.decode_server
     rec.phase = "prefilling"
@@ -550,10 +857,19 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     yield from self._relay(rec, dcall, context)
 
   def _remote_once(self, rec, prompt, params, calls, context, downstream_id: str, di: int,
-                   pi: int):
+                   pi: int | None, *, pd_node: int | None = None, on_prefill_done=None):
+    """PrfaaS server ``pi`` -> PD node ``di`` over the WAN; or, with
+    ``pd_node``, PD-P node ``pd_node`` -> PD-D node ``di`` inside region B
+    (the node's own StateTransfer port, no link accounting)."""
     target = self.decode_targets[di]
     rec.decode_server = target.control
-    rec.prefill_server = self.prefill_targets[pi]
+    rec.pd_split = pd_node is not None
+    if pd_node is None:
+      rec.prefill_server = self.prefill_targets[pi]
+      pstub, state_target = self._prefill_stubs[pi], target.transfer
+    else:
+      rec.prefill_server = self.decode_targets[pd_node].control
+      pstub, state_target = self._pdp_stubs[pd_node], target.intra_transfer
     md = request_metadata(rec.request_id)
     dcall = self._decode_stubs[di].Decode(
         self._decode_request(rec, prompt, params, True, downstream_id),
@@ -574,9 +890,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     preq = serving_pb2.PrefillRequest(
         request_id=downstream_id, model=self.config.name, prompt_ids=prompt,
         sampling=self._sampling_msg(params), seed=params.seed,
-        decode_target=target.transfer, codec_json=self.codec_json)
-    pcall = self._prefill_stubs[pi].Prefill(preq, timeout=common.remaining_s(context),
-                                            metadata=md)
+        decode_target=state_target, codec_json=self.codec_json)
+    pcall = pstub.Prefill(preq, timeout=common.remaining_s(context), metadata=md)
     calls["prefill"] = pcall
     if rec.client_gone:
       pcall.cancel()
@@ -584,6 +899,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     follower = threading.Thread(target=self._follow_prefill,
                                 args=(rec, pcall, dcall, self._decode_stubs[di],
                                       downstream_id, rec.prefill_done),
+                                kwargs={"wan": pd_node is None, "on_done": on_prefill_done},
                                 name=f"prefill-{rec.request_id[:8]}", daemon=True)
     follower.start()
     try:
@@ -593,10 +909,12 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       raise
 
   def _follow_prefill(self, rec: RequestRecord, pcall, dcall, dstub, downstream_id: str,
-                      done: threading.Event) -> None:
-    """Reads the Prefill stream: hands the first token over, records link stats."""
+                      done: threading.Event, wan: bool = True, on_done=None) -> None:
+    """Reads the Prefill stream: hands the first token over, records link stats
+    (``wan``: the transfer crossed the inter-region link). ``on_done`` runs
+    once the prefill stream ended."""
     md = request_metadata(rec.request_id)
-    live, sent = self.live, {}
+    live, sent = (self.live if wan else None), {}
     if live is not None:
       live.transfer_started(downstream_id, rec.prompt_tokens)
     try:
@@ -614,6 +932,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
           d = ev.done
           rec.transfer_s, rec.link_bytes, rec.state_bytes = (d.transfer_s, d.bytes_sent,
                                                              d.state_bytes)
+          if not wan:
+            rec.link_bytes = 0  # PD-P -> PD-D: region B's own network, not the link
           sent.update(nbytes=d.bytes_sent, duration_s=d.transfer_s)
     except grpc.RpcError as e:
       if (not rec.client_gone and rec.phase not in ("finished", "failed", "rerouted")
@@ -624,6 +944,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       if live is not None:
         live.transfer_finished(downstream_id, prompt_tokens=rec.prompt_tokens, **sent)
       done.set()
+      if on_done is not None:
+        on_done()
 
   def _downstream_error(self, rec: RequestRecord, e: grpc.RpcError, who: str) -> _Abort:
     code, details = common.rpc_code(e), common.rpc_details(e)
@@ -638,7 +960,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       return _Abort(code, f"{who}: {details}", "request")
     # e.g. a state transfer that failed on the decode side (DATA_LOSS, CANCELLED,
     # DEADLINE_EXCEEDED): the prefill path's fault.
-    return _Abort(code, f"{who}: {details}", "prefill" if rec.route == PRFAAS else "decode")
+    return _Abort(code, f"{who}: {details}",
+                  "prefill" if rec.route == PRFAAS or rec.pd_split else "decode")
 
   def _relay(self, rec: RequestRecord, dcall, context):
     """Forwards the decode stream to the client. After a restart, the tokens the
@@ -653,7 +976,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
           continue
         if not ev.token_ids and not ev.finished:  # the request got its slot
           rec.decode_queue_s = ev.queue_s
-          if rec.route == PDP:
+          if rec.route == PDP and not rec.pd_split:  # colocated: prefill stats come here
             rec.prefill_s, rec.prefill_queue_s = ev.prefill_s, ev.prefill_queue_s
             rec.prefill_batch_size = ev.prefill_batch_size
             rec.cached_tokens = ev.prefill_cached_tokens
@@ -681,7 +1004,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
             self.metrics.observe_first_token(rec.route, rec.first_token_s)
         if ev.finished:
           rec.finish_reason = ev.finish_reason
-          if rec.route == PRFAAS:
+          if rec.route == PRFAAS or rec.pd_split:
             rec.prefill_done.wait(timeout=10.0)
           rec.total_s = rec.elapsed()
           rec.phase = "finished"
@@ -695,7 +1018,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     except grpc.RpcError as e:
       if rec.client_gone:
         return
-      if rec.route == PRFAAS and rec.prefill_error is None:
+      if (rec.route == PRFAAS or rec.pd_split) and rec.prefill_error is None:
         # The decode stream failed; if the prefill stream is failing too, let
         # it finish briefly, so the error names the real cause.
         rec.prefill_done.wait(timeout=2.0)
@@ -717,6 +1040,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     gauges["uptime_s"] = time.time() - self.started
     return serving_pb2.StatsResponse(server="broker", gauges=gauges, json=json.dumps({
         "model": self.config.name, "prefill": self.prefill_targets,
+        "prefill_transfer": self.prefill_transfer_targets,
+        "prefix_sources": sorted(self.prefix_sources),
         "decode": [dataclasses.asdict(t) for t in self.decode_targets],
         "inflight": inflight, "recent": recent, "router": self.router_info()}))
 
@@ -728,7 +1053,24 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     return {"policy": type(self.policy).__name__, "threshold_tokens": t,
             "router_config": dataclasses.asdict(router.config) if router is not None else None,
             "live_view": self.live.snapshot() if self.live is not None else None,
-            "rebalance": self.rebalance}
+            "rebalance": self.rebalance, "roles": self.roles_info(),
+            "role_moves": list(self.role_moves)}
+
+  # -- operator -------------------------------------------------------------------
+
+  def SetRoles(self, request, context):
+    """Moves PD nodes between roles (serving.proto: SetRolesRequest). Who may
+    call it is the security layer's job (peers.BROKER_ADMIN_METHOD)."""
+    reason = request.reason or "SetRoles"
+    if len(reason) > 256 or not reason.isprintable():
+      context.abort(Code.INVALID_ARGUMENT, "reason must be at most 256 printable characters")
+    try:
+      moves = self.set_roles(list(request.roles), reason=reason)
+    except pd_roles.RoleError as e:
+      context.abort(Code.FAILED_PRECONDITION if e.precondition else Code.INVALID_ARGUMENT,
+                    str(e))
+    return serving_pb2.SetRolesResponse(roles=self.roles(), moves_started=len(moves),
+                                        json=json.dumps(self.roles_info()))
 
 
 class BrokerServer:
@@ -752,7 +1094,8 @@ def start(model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str]
           channel_credentials: grpc.ChannelCredentials | None = None, tokenizer=None,
           codec_json: str = "", max_workers: int = 256, security=None, metrics=None,
           max_attempts: int = MAX_ATTEMPTS, health_interval_s: float = 1.0,
-          max_request_bytes: int = MAX_REQUEST_BYTES) -> BrokerServer:
+          max_request_bytes: int = MAX_REQUEST_BYTES,
+          roles: Sequence[str] | None = None) -> BrokerServer:
   """Starts the broker's public port.
 
   ``security`` (a ``paas_jax.security.ServiceSecurity`` of role broker): TLS
@@ -760,6 +1103,8 @@ def start(model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str]
   broker's certificate to the regions; it overrides ``credentials`` and
   ``channel_credentials``. ``metrics`` records RPCs, routing, TTFT/TPOT and
   reroutes. Past ``max_workers`` concurrent calls, RESOURCE_EXHAUSTED.
+  ``roles``: the PD nodes' starting roles (``pd_roles.default_roles``: one
+  node "both", N > 1 split N // 2 PD-P).
   """
   from paas_jax.security.hooks import server_interceptors  # pylint: disable=g-import-not-at-top
   if security is not None:
@@ -769,7 +1114,7 @@ def start(model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str]
                             decode_targets=decode_targets, tokenizer=tokenizer,
                             channel_credentials=channel_credentials, codec_json=codec_json,
                             metrics=metrics, max_attempts=max_attempts,
-                            health_interval_s=health_interval_s)
+                            health_interval_s=health_interval_s, roles=roles)
   control = common.start_server(
       f"{host}:{port}", lambda s: serving_pb2_grpc.add_BrokerServicer_to_server(servicer, s),
       credentials=credentials, services=[SERVICE], max_workers=max_workers,
@@ -814,7 +1159,16 @@ def main(argv):
   channel_creds = security.channel_credentials()
   if len(FLAGS.decode) != len(FLAGS.decode_transfer):
     raise app.UsageError("--decode and --decode_transfer need the same number of entries")
-  targets = [DecodeTarget(c, t) for c, t in zip(FLAGS.decode, FLAGS.decode_transfer)]
+  local = list(FLAGS.decode_local_transfer) or [""] * len(FLAGS.decode)
+  if len(local) != len(FLAGS.decode):
+    raise app.UsageError("--decode_local_transfer needs one entry per --decode")
+  targets = [DecodeTarget(c, t, lt)
+             for c, t, lt in zip(FLAGS.decode, FLAGS.decode_transfer, local)]
+  try:
+    roles = (pd_roles.validate_roles(FLAGS.pd_roles) if FLAGS.pd_roles
+             else pd_roles.default_roles(len(targets), FLAGS.pd_prefill_nodes))
+  except pd_roles.RoleError as e:
+    raise app.UsageError(str(e)) from None
   threshold = float("inf") if FLAGS.threshold < 0 else FLAGS.threshold
   for target in list(FLAGS.prefill) + list(FLAGS.decode):
     common.wait_healthy(target, FLAGS.wait_s, credentials=channel_creds)
@@ -829,7 +1183,11 @@ def main(argv):
                  prefill_targets=FLAGS.prefill, decode_targets=targets, host=FLAGS.host,
                  port=FLAGS.port, codec_json=FLAGS.codec_json, tokenizer=tokenizer,
                  security=security, metrics=metrics, max_attempts=FLAGS.max_attempts,
-                 max_request_bytes=FLAGS.max_request_bytes)
+                 max_request_bytes=FLAGS.max_request_bytes, roles=roles)
+  if FLAGS.prefill_transfer and len(FLAGS.prefill_transfer) != len(FLAGS.prefill):
+    raise app.UsageError("--prefill_transfer needs one entry per --prefill")
+  server.servicer.enable_prefix_transfer(FLAGS.prefill_transfer,
+                                         enabled=FLAGS.cross_cluster_prefix)
   if FLAGS.router == "adaptive" or FLAGS.live_view:
     server.servicer.enable_live_view(FLAGS.link_bandwidth_bps, poll_s=FLAGS.poll_ms / 1e3,
                                      rebalance_every_s=FLAGS.rebalance_every_s,
@@ -837,8 +1195,8 @@ def main(argv):
                                      apply_threshold=FLAGS.rebalance_apply)
   common.write_ready_file(FLAGS.ready_file, {"pid": os.getpid(), "port": server.control.port,
                                              "metrics_port": metrics_port})
-  log.info("broker on %s: prefill %s, decode %s, router %s, threshold %s", server.address,
-           FLAGS.prefill, targets, FLAGS.router, threshold)
+  log.info("broker on %s: prefill %s, decode %s (roles %s), router %s, threshold %s",
+           server.address, FLAGS.prefill, targets, list(roles), FLAGS.router, threshold)
   common.wait_for_termination(server.stop)
 
 
@@ -851,9 +1209,23 @@ if __name__ == "__main__":
   flags.DEFINE_integer("port", 0, "Port (0: pick a free one).")
   flags.DEFINE_list("prefill", [], "Prefill servers (PrfaaS region), host:port.")
   flags.DEFINE_list("decode", [], "Decode servers' control addresses, host:port.")
+  flags.DEFINE_list("prefill_transfer", [],
+                    "Each prefill server's prefix-import (StateTransfer) address as reached "
+                    "from the PD region (e.g. the WAN relay's B->A route); empty: PD-P's "
+                    "cached prefixes are never shipped to PrfaaS.")
+  flags.DEFINE_bool("cross_cluster_prefix", True, "Ship a cached prefix to the other region "
+                    "before prefilling when the adaptive router asks for it (abundant "
+                    "link); off: such decisions fall back to the scarce rule.")
   flags.DEFINE_list("decode_transfer", [],
                     "Each decode server's StateTransfer address as reached from the prefill "
                     "region (e.g. the WAN relay).")
+  flags.DEFINE_list("decode_local_transfer", [],
+                    "Each decode server's StateTransfer address inside the PD region (PD-P "
+                    "node -> PD-D node states; empty: --decode_transfer).")
+  flags.DEFINE_list("pd_roles", [], "Starting role of each decode server: pdp, pdd or both "
+                    "(empty: --pd_prefill_nodes).")
+  flags.DEFINE_integer("pd_prefill_nodes", -1, "With N > 1 decode servers and no --pd_roles: "
+                       "the last K are PD-P, the rest PD-D (-1: N // 2). One server: both.")
   flags.DEFINE_float("threshold", 128, "Selective offloading: prompts longer than this many "
                      "tokens are prefilled remotely (<0: never).")
   flags.DEFINE_string("codec_json", "", "CodecOptions JSON for the link (empty: server default).")
@@ -864,8 +1236,10 @@ if __name__ == "__main__":
                     "prefix caches even with --router=static.")
   flags.DEFINE_float("link_bandwidth_bps", 1e9, "PrfaaS->PD link capacity the router assumes.")
   flags.DEFINE_float("poll_ms", 200, "GetStats poll period of the live view.")
-  flags.DEFINE_float("rebalance_every_s", 5.0, "Rebalancer period (0: off); reports only.")
-  flags.DEFINE_bool("rebalance_apply", False, "Put the rebalancer's t into the router.")
+  flags.DEFINE_float("rebalance_every_s", 5.0, "Rebalancer period (0: off). Measured service "
+                     "times always reach the router; t and PD roles only with --rebalance_apply.")
+  flags.DEFINE_bool("rebalance_apply", False, "Put the rebalancer's t into the router and, with "
+                    "several PD nodes, move nodes between PD-P and PD-D (drained first).")
   flags.DEFINE_integer("n_slots", 8, "Decode slots per decode server (rebalancer's BS_max).")
   flags.DEFINE_float("wait_s", 300, "How long to wait for the regions to become healthy.")
   flags.DEFINE_string("ready_file", None, "Write port/pid as JSON here once serving.")

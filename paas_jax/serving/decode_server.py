@@ -5,7 +5,8 @@ Two gRPC ports:
 * control (``Decode`` service, health, stats): the broker registers requests
   here and reads their token streams;
 * transfer (``paas_jax.transport`` ``StateTransfer``): prefill servers of the
-  PrfaaS region stream states here (through the WAN link).
+  PrfaaS region stream states here (through the WAN link), and cached prefixes
+  ("prefix:" transfer ids, ``prefix_transfer``) that go into PD-P's prefix cache.
 
   python -m paas_jax.serving.decode_server --port=50052 --transfer_port=50053 \
       --config=tiny_gdn_gqa --seed=0 --n_slots=8
@@ -22,7 +23,7 @@ import grpc
 from absl import app, flags
 
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
-from paas_jax.serving import cli, common
+from paas_jax.serving import cli, common, prefix_transfer
 from paas_jax.serving.batching import (DecodeJob, DecodeScheduler, PrefillBatcher, PrefillJob,
                                        QueueFullError)
 from paas_jax.serving.engine import (DecodeEngine, EngineConfig, EngineError, InvalidRequestError,
@@ -32,6 +33,8 @@ from paas_jax.serving.engine import (DecodeEngine, EngineConfig, EngineError, In
 log = logging.getLogger("paas_jax.serving.decode")
 
 SERVICE = "paas_jax.serving.v1.Decode"
+# Also served on the control port: Prefill, for acting as PD-P of another PD node.
+PREFILL_SERVICE = "paas_jax.serving.v1.Prefill"
 
 
 def request_params(msg) -> RequestParams:
@@ -46,7 +49,8 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
   """Registers requests with the scheduler and streams their events."""
 
   def __init__(self, model, engine_config: EngineConfig, *, max_queue: int = 64,
-               batch_window_s: float = 0.005, name: str = "decode", metrics=None):
+               batch_window_s: float = 0.005, name: str = "decode", metrics=None,
+               channel_credentials: grpc.ChannelCredentials | None = None):
     from paas_jax.state import abstract_state, round_up  # pylint: disable=g-import-not-at-top
     from paas_jax.transport import StateReceiver  # pylint: disable=g-import-not-at-top
     self.model = model
@@ -58,9 +62,33 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     self.scheduler = DecodeScheduler(self.engine, max_queue=max_queue,
                                      on_local_prefill=self._local_prefill)
     cfg = self.config
+    # Cross-cluster prefix transfers: prefixes of region A's cache arrive on the
+    # transfer port ("prefix:" ids) into PD-P's prefix cache; ExportPrefix ships
+    # PD-P's prefixes to region A (the relay's B->A direction).
+    from paas_jax.serving.prefix_transfer import PrefixExporter, PrefixImporter  # pylint: disable=g-import-not-at-top
+    self.prefix_importer = PrefixImporter(cfg, self.prefill_engine, metrics=metrics,
+                                          link="A->B")
+    self.prefix_exporter = PrefixExporter(cfg, self.prefill_engine,
+                                          credentials=channel_credentials, metrics=metrics,
+                                          link="B->A")
+    # PD-P for other PD nodes: the broker may call Prefill here with another PD
+    # node's StateTransfer address. It shares this node's PrefillEngine,
+    # batcher and prefix cache, so moving the node between PD-P and PD-D roles
+    # needs no second copy of the weights or a restart.
+    from paas_jax.serving.prefill_server import PrefillServicer  # pylint: disable=g-import-not-at-top
+    self.pd_prefill = PrefillServicer(model, engine_config, max_queue=max_queue,
+                                      channel_credentials=channel_credentials,
+                                      metrics=metrics, engine=self.prefill_engine,
+                                      batcher=self.batcher, link_label="B->B",
+                                      prefix_exporter=self.prefix_exporter,
+                                      prefix_importer=self.prefix_importer)
+
+    def template(info):
+      if prefix_transfer.is_prefix_transfer(info.transfer_id):
+        return self.prefix_importer.template(info)
+      return abstract_state(cfg, 1, round_up(max(info.token_count, 1))), None
     self.receiver = StateReceiver(
-        models={cfg.name: cfg.fingerprint()},
-        template=lambda info: (abstract_state(cfg, 1, round_up(max(info.token_count, 1))), None),
+        models={cfg.name: cfg.fingerprint()}, template=template,
         on_ready=self._on_state, on_failure=self._on_transfer_failure)
     self.started = time.time()
     self.transfers_in = 0
@@ -96,6 +124,9 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
 
   def _on_state(self, received) -> None:
     rid = received.info.transfer_id
+    if prefix_transfer.is_prefix_transfer(rid):
+      self.prefix_importer.on_ready(received)
+      return
     self.transfers_in += 1
     self.transfer_bytes_in += received.manifest.nbytes
     if self.metrics is not None:
@@ -105,14 +136,19 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
       log.info("dropping the state of %s: the request is gone", rid)
 
   def _on_transfer_failure(self, transfer_id: str, code, message: str) -> None:
+    if prefix_transfer.is_prefix_transfer(transfer_id):
+      self.prefix_importer.on_failure(transfer_id, code, message)
+      return
     if self.metrics is not None:
       self.metrics.link_transfers.labels("A->B", "receive_failed").inc()
     self.scheduler.fail(transfer_id, code, f"state transfer failed: {message}")
 
   def stop(self) -> None:
+    self.pd_prefill.stop()  # also stops the shared batcher
     self.batcher.stop()
     self.scheduler.stop()
     self.receiver.close()
+    self.prefix_exporter.close()
 
   def warmup(self) -> dict:
     return {"decode_s": self.engine.warmup(), "prefill_s": self.prefill_engine.warmup()}
@@ -210,6 +246,9 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
                     f"request {request.request_id!r} is gone (cancelled or finished)")
     return serving_pb2.HandoffResponse()
 
+  def ExportPrefix(self, request, context):
+    return self.prefix_exporter.serve(request, context)
+
   def GetStats(self, request, context):
     s = self.scheduler.stats()
     s.update(pdp_queue=self.batcher.queue_depth, pdp_batches=self.batcher.batches,
@@ -220,6 +259,8 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
              receiver_active_transfers=len(self.receiver.active_transfers()),
              uptime_s=time.time() - self.started)
     s.update(common.prefix_cache_gauges(self.prefill_engine, request.prefix_probe_ids))
+    s.update(self.prefix_importer.gauges())
+    s.update(self.prefix_exporter.gauges())
     gauges = {k: float(v) for k, v in s.items()}
     extra = {"model": self.config.name, "fingerprint": self.config.fingerprint(),
              "config": self.config.to_dict(),
@@ -264,24 +305,30 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
   """
   from paas_jax.security.hooks import server_interceptors  # pylint: disable=g-import-not-at-top
   from paas_jax.transport import serve_receiver  # pylint: disable=g-import-not-at-top
-  servicer = DecodeServicer(model, engine_config, max_queue=max_queue,
-                            batch_window_s=batch_window_s, metrics=metrics)
+  channel_credentials = None
   if security is not None:
     credentials = security.server_credentials()
+    channel_credentials = security.channel_credentials()
+  servicer = DecodeServicer(model, engine_config, max_queue=max_queue,
+                            batch_window_s=batch_window_s, metrics=metrics,
+                            channel_credentials=channel_credentials)
   stack = server_interceptors(security, metrics) + list(interceptors)
   control = common.start_server(
-      f"{host}:{port}", lambda s: serving_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
-      credentials=credentials, services=[SERVICE],
+      f"{host}:{port}", lambda s: (
+          serving_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
+          serving_pb2_grpc.add_PrefillServicer_to_server(servicer.pd_prefill, s)),
+      credentials=credentials, services=[SERVICE, PREFILL_SERVICE],
       interceptors=stack,
       # Every registered request holds one Decode stream (and its thread); past
       # that, admission control answers RESOURCE_EXHAUSTED before threads run out.
-      max_workers=engine_config.n_slots + max_queue + 32)
+      # Prefill streams (PD-P for another node) are capped by max_queue too.
+      max_workers=engine_config.n_slots + 2 * max_queue + 32)
   transfer = serve_receiver(servicer.receiver, f"{host}:{transfer_port}",
                             credentials=credentials, interceptors=stack)
   if warmup:
     t = servicer.warmup()
     log.info("decode server warm: %s", t)
-  control.set_serving([SERVICE])
+  control.set_serving([SERVICE, PREFILL_SERVICE])
   return DecodeServer(servicer, control, transfer)
 
 

@@ -270,6 +270,10 @@ class PrefillEngine:
     self.prefix_prompts_hit = 0
     self.prefix_reused_tokens = 0
     self._pending_release: list[str] = []
+    # Prefixes received from the other region (cross-cluster prefix transfer),
+    # waiting for the engine to be idle: (tokens, batch-1 state).
+    self._pending_imports: list[tuple[tuple[int, ...], DecodeState]] = []
+    self.prefix_imported_bytes = 0
     self._release_lock = threading.Lock()
     if config.prefix_block:
       from paas_jax.state.prefix_cache import HybridPrefixCache  # pylint: disable=g-import-not-at-top
@@ -305,12 +309,82 @@ class PrefillEngine:
       self._lock.release()
 
   def _drain_releases(self) -> int:
-    """Runs queued releases; the caller holds ``_lock``."""
+    """Runs queued releases, then queued imports; the caller holds ``_lock``.
+
+    Returns the bytes freed by the releases.
+    """
     with self._release_lock:
       owners, self._pending_release = self._pending_release, []
+      imports, self._pending_imports = self._pending_imports, []
     freed = sum(self.prefix_cache.release(o) for o in owners)
     self.prefix_released_bytes += freed
+    for tokens, state in imports:
+      self.prefix_imported_bytes += self.prefix_cache.insert(tokens, state)
     return freed
+
+  def import_prefix(self, tokens: Sequence[int], state: DecodeState) -> bool:
+    """Adds a prefix shipped from the other region to the prefix cache.
+
+    Args:
+      tokens: the prefix, a whole number of cache blocks.
+      state: batch-1 state after exactly ``tokens`` (attention capacity >= len).
+
+    Like ``release_prefix`` it never waits for a running prefill (it runs in a
+    transfer's Commit): when the engine is busy the insert is queued and done
+    when that prefill ends, and in any case before the next prompt, so every
+    prompt submitted after this call sees the prefix. Returns True if it is
+    already in the cache.
+    """
+    if self.prefix_cache is None:
+      raise EngineError("this engine has no prefix cache")
+    tokens = tuple(int(t) for t in tokens)
+    block = self.prefix_cache.block_size
+    length = int(np.asarray(state.lengths).reshape(-1)[0])
+    if state.batch_size != 1 or length != len(tokens) or not tokens or len(tokens) % block:
+      raise InvalidRequestError(
+          f"a prefix import needs a batch-1 state of a whole number of {block}-token blocks "
+          f"matching its tokens; got batch {state.batch_size}, {length} state tokens, "
+          f"{len(tokens)} token ids")
+    with self._release_lock:
+      self._pending_imports.append((tokens, state))
+    if not self._lock.acquire(blocking=False):
+      return False
+    try:
+      self._drain_releases()
+      return True
+    finally:
+      self._lock.release()
+
+  def export_prefix(self, prompt: Sequence[int], max_tokens: int = 0,
+                    timeout_s: float = 10.0) -> tuple[int, DecodeState | None]:
+    """The longest cached prefix of ``prompt`` for the other region.
+
+    Returns:
+      (matched tokens, a batch-1 host (numpy) state holding exactly them,
+      attention capacity = matched), or (0, None) when nothing is cached. At
+      most ``max_tokens`` (> 0) tokens, rounded down to a block.
+
+    Reading the cache waits for a running prefill (the cache is not safe to
+    read while ``cached_prefill`` updates it), at most ``timeout_s``
+    (``TimeoutError``).
+    """
+    if self.prefix_cache is None:
+      raise EngineError("this engine has no prefix cache")
+    tokens = list(prompt)
+    if max_tokens > 0:
+      # match_length keeps one token unmatched: cut one past the cap.
+      cap = (max_tokens // self.prefix_cache.block_size) * self.prefix_cache.block_size
+      tokens = tokens[:cap + 1]
+    if not self._lock.acquire(timeout=max(timeout_s, 0.0)):
+      raise TimeoutError(f"the prefill engine stayed busy for {timeout_s:.2f} s")
+    try:
+      self._drain_releases()
+      matched, state = self.prefix_cache.lookup(tokens)
+    finally:
+      self._lock.release()
+    if state is None:
+      return 0, None
+    return matched, jax.tree_util.tree_map(np.asarray, state)
 
   def prefill(self, inputs: Sequence[PrefillInput], layer_sink=None) -> list[PrefillOutput]:
     if not inputs:
@@ -365,6 +439,9 @@ class PrefillEngine:
     elapsed = time.perf_counter() - t0
     for o in outputs:
       o.prefill_s = elapsed
+    # Releases and imports that arrived during this prefill: now, not at the
+    # next prompt (the prefix probe should see an import as soon as possible).
+    self._drain_releases()
     return outputs
 
   def _chunk_len(self, size: int) -> int:

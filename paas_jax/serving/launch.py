@@ -5,8 +5,9 @@
   WAN link  : relay between A and B         python -m paas_jax.netem
   front door: broker                        python -m paas_jax.serving.broker
 
-The link carries the state transfers (A -> B) and the broker's control calls
-to region A (B -> A). With ``netem="netns"`` region A runs in its own network
+The link carries the state transfers (A -> B), the broker's control calls
+to region A (B -> A) and cross-cluster prefix transfers both ways (region A's
+prefixes on the states' route, PD-P's to region A's prefix port, B -> A). With ``netem="netns"`` region A runs in its own network
 namespace with tbf bandwidth shaping; the relay then adds only RTT and jitter.
 """
 
@@ -139,6 +140,12 @@ class ClusterSpec:
   prefill_faults: str = ""
   flaky_wan: bool = False
   metrics: bool = False         # every process serves /metrics on a free port
+  # PD nodes (decode servers) in region B: "decode", "decode1", ...; with more
+  # than one the broker splits them into PD-P and PD-D roles (pd_prefill_nodes:
+  # how many PD-P, -1: N // 2) and can move them (pd_roles.py).
+  pd_nodes: int = 1
+  pd_prefill_nodes: int = -1
+  rebalance_apply: bool = False
   log_format: str = "text"      # "json": structured logs with request ids
 
 
@@ -198,6 +205,9 @@ class LocalCluster:
       prefill_args = ["-m", "paas_jax.serving.prefill_server", *_server_args(spec, a_host),
                       f"--codec_compression={spec.codec_compression}",
                       f"--transfer_streams={spec.transfer_streams}",
+                      # Imports PD-P's prefixes (cross-cluster prefix cache); explicit
+                      # so that restart() keeps the port the relay forwards to.
+                      "--transfer_port=0",
                       *self._common_args("prefill")]
       if spec.prefill_faults:
         prefill_args.append(f"--faults={spec.prefill_faults}")
@@ -206,14 +216,19 @@ class LocalCluster:
                      f"--n_slots={spec.n_slots}", f"--page_size={spec.page_size}",
                      f"--num_pages={spec.num_pages}", f"--max_queue={spec.max_queue}",
                      *self._common_args("decode")]
+      if spec.pd_nodes < 1:
+        raise LaunchError(f"pd_nodes must be >= 1, got {spec.pd_nodes}")
       self.procs["prefill"] = spawn("prefill", prefill_args, self.workdir, prefix=prefix)
-      self.procs["decode"] = spawn("decode", decode_args, self.workdir)
-      wait_ready([self.procs["prefill"], self.procs["decode"]], spec.startup_timeout_s,
-                 on_tick)
+      for name in self.pd_names:
+        self.procs[name] = spawn(name, decode_args, self.workdir)
+      wait_ready([self.procs["prefill"]] + [self.procs[n] for n in self.pd_names],
+                 spec.startup_timeout_s, on_tick)
       self.timings["regions_ready_s"] = time.monotonic() - t0
       prefill_port = self.procs["prefill"].info["port"]
       decode = self.procs["decode"].info
       prefill_target = f"{a_host}:{prefill_port}"
+      # Region A's prefix-import port, where PD nodes ship cached prefixes (B->A).
+      prefix_target = f"{a_host}:{self.procs['prefill'].info['transfer_port']}"
       transfer_target = f"127.0.0.1:{decode['transfer_port']}"
       if spec.flaky_wan:
         if self.netns is not None:
@@ -231,7 +246,12 @@ class LocalCluster:
                       f"--shape_bandwidth={link.shape_bandwidth}", f"--seed={link.seed}",
                       f"--stats_file={self.relay_stats_file}",
                       f"--route=transfer={b_host}:0->{transfer_target}@a_to_b",
-                      f"--route=control=127.0.0.1:0->{prefill_target}@b_to_a"]
+                      f"--route=control=127.0.0.1:0->{prefill_target}@b_to_a",
+                      f"--route=prefix=127.0.0.1:0->{prefix_target}@b_to_a"]
+        # The other PD nodes' StateTransfer ports, over the same link (PrfaaS states).
+        for i, name in enumerate(self.pd_names[1:], 1):
+          relay_args.append(f"--route=transfer{i}={b_host}:0->127.0.0.1:"
+                            f"{self.procs[name].info['transfer_port']}@a_to_b")
         if link.trace is not None:
           trace = ",".join(f"{t}:{r}" for t, r in link.trace.points)
           if link.trace.loop:
@@ -242,10 +262,23 @@ class LocalCluster:
         ports = self.procs["relay"].info["ports"]
         transfer_target = f"{b_host}:{ports['transfer']}"
         prefill_target = f"127.0.0.1:{ports['control']}"
+        prefix_target = f"127.0.0.1:{ports['prefix']}"
+      # PD node i: control, transfer as region A reaches it (WAN), transfer
+      # inside region B (PD-P -> PD-D, direct).
+      pd_info = [self.procs[n].info for n in self.pd_names]
+      pd_control = [f"127.0.0.1:{d['port']}" for d in pd_info]
+      pd_local = [f"127.0.0.1:{d['transfer_port']}" for d in pd_info]
+      pd_wan = [transfer_target] + (
+          [f"{b_host}:{self.procs['relay'].info['ports'][f'transfer{i}']}"
+           for i in range(1, len(pd_info))] if spec.link is not None else pd_local[1:])
       broker_config = "" if spec.checkpoint else spec.config
       broker_args = ["-m", "paas_jax.serving.broker", f"--config={broker_config}", "--port=0",
-                     f"--prefill={prefill_target}", f"--decode=127.0.0.1:{decode['port']}",
-                     f"--decode_transfer={transfer_target}",
+                     f"--prefill={prefill_target}", f"--prefill_transfer={prefix_target}",
+                     f"--decode={','.join(pd_control)}",
+                     f"--decode_transfer={','.join(pd_wan)}",
+                     f"--decode_local_transfer={','.join(pd_local)}",
+                     f"--pd_prefill_nodes={spec.pd_prefill_nodes}",
+                     f"--rebalance_apply={spec.rebalance_apply}",
                      f"--threshold={spec.threshold}", f"--log_level={spec.log_level}",
                      f"--router={spec.router}", f"--n_slots={spec.n_slots}",
                      f"--rebalance_every_s={spec.rebalance_every_s}",
@@ -261,7 +294,7 @@ class LocalCluster:
       raise
 
   def stop(self) -> None:
-    for name in ("broker", "relay", "prefill", "decode"):
+    for name in ("broker", "relay", "prefill", *self.pd_names):
       proc = self.procs.get(name)
       if proc is not None:
         proc.stop()
@@ -365,6 +398,14 @@ class LocalCluster:
       self._tmp.cleanup()
 
   # -- observation ----------------------------------------------------------------
+
+  @property
+  def pd_names(self) -> list[str]:
+    """The PD nodes' process names: "decode" (the first, as before), "decode1", ..."""
+    return ["decode"] + [f"decode{i}" for i in range(1, max(self.spec.pd_nodes, 1))]
+
+  def pd_address(self, name: str) -> str:
+    return f"127.0.0.1:{self.procs[name].info['port']}"
 
   @property
   def decode_address(self) -> str:

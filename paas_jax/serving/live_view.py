@@ -75,6 +75,10 @@ class LiveClusterState:
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._periodic: list[tuple[float, Callable[[], None], list]] = []
+    self.ingress_bytes = 0.0  # B->A link bytes (cross-cluster prefixes)
+    # () -> (PD-P, PD-D) instances serving now (the broker's PD roles); None:
+    # every PD node counts as PD-P (one colocated node).
+    self.instance_counts: Callable[[], tuple[int, int]] | None = None
 
   # -- lifecycle ------------------------------------------------------------------
 
@@ -139,16 +143,28 @@ class LiveClusterState:
         return float(c + k * prompt_tokens)
     return float(np.median(bs / ls) * prompt_tokens)
 
-  def transfer_started(self, request_id: str, prompt_tokens: int) -> None:
+  def transfer_started(self, request_id: str, prompt_tokens: int,
+                       direction: str = "A->B") -> None:
+    """A transfer of ``prompt_tokens`` tokens' state (a request's, or a
+    cross-cluster prefix's: same ``c + k*l`` size) starts. Only the PrfaaS->PD
+    direction (A->B) is the router's link; B->A (prefixes PD-P ships to
+    PrfaaS) is its own pipe, counted in ``ingress_bytes`` only, as in the
+    simulator."""
+    if direction != "A->B":
+      return
     est = self.estimate_bytes(prompt_tokens)
     with self._lock:
       self._inflight[request_id] = est
 
   def transfer_finished(self, request_id: str, *, prompt_tokens: int = 0,
-                        nbytes: float = 0.0, duration_s: float = 0.0) -> None:
+                        nbytes: float = 0.0, duration_s: float = 0.0,
+                        direction: str = "A->B") -> None:
     """Ends an in-flight transfer; a successful one (nbytes > 0) enters the window."""
     now = self.clock()
     with self._lock:
+      if direction != "A->B":
+        self.ingress_bytes += max(float(nbytes), 0.0)
+        return
       self._inflight.pop(request_id, None)
       if nbytes > 0:
         self._transfers.append(_Transfer(now - max(duration_s, 0.0), now, float(nbytes)))
@@ -186,8 +202,15 @@ class LiveClusterState:
                        prfaas_queue_depth=sum(self.prfaas_queue),
                        pdp_queue_depth=sum(self.pdp_queue),
                        prfaas_instances=len(self.prefill_stubs),
-                       pdp_instances=len(self.decode_stubs),
+                       pdp_instances=self._pdp_instances(),
                        link_backlog_bytes=self.backlog_bytes())
+
+  def _pdp_instances(self) -> int:
+    """PD-P instances serving now: from the broker's live PD roles when it set
+    ``instance_counts`` (``() -> (pdp, pdd)``), else every PD node."""
+    if self.instance_counts is None:
+      return len(self.decode_stubs)
+    return int(self.instance_counts()[0])
 
   def probe_prefix(self, prompt: Sequence[int]) -> tuple[int, int]:
     """(l_pd_cached, l_prfaas_cached): the longest cached prefix in each region
@@ -212,7 +235,8 @@ class LiveClusterState:
     return {"link_bandwidth_bps": v.link_bandwidth_bps, "link_utilization": v.link_utilization,
             "link_backlog_bytes": v.link_backlog_bytes,
             "prfaas_queue_depth": v.prfaas_queue_depth, "pdp_queue_depth": v.pdp_queue_depth,
-            "polls": self.polls, "poll_errors": self.poll_errors}
+            "polls": self.polls, "poll_errors": self.poll_errors,
+            "ingress_bytes": self.ingress_bytes}
 
 
 def tiny_reference_profile(n_slots: int, link_bandwidth_bps: float):
@@ -230,11 +254,17 @@ def tiny_reference_profile(n_slots: int, link_bandwidth_bps: float):
 
 
 def rebalance_step(records: Sequence[dict], *, threshold: float, n_slots: int,
-                   link_bandwidth_bps: float, min_samples: int = 8) -> dict:
-  """Fits profiles to finished requests and re-solves t (split pinned: one PD node).
+                   link_bandwidth_bps: float, min_samples: int = 8, n_pd_nodes: int = 1,
+                   current_n_p: int | None = None, n_prfaas: int = 1) -> dict:
+  """Fits profiles to finished requests and re-solves t and the P/D split.
 
   ``records``: dicts with route, input_tokens, cached_tokens, output_tokens,
-  prefill_s and link_bytes (as the demo report writes them).
+  prefill_s, link_bytes and optionally tpot_s (as the demo report writes them);
+  PD-P and PrfaaS prefill times are fitted per route, the decode step from
+  the median TPOT. With one PD node (``n_pd_nodes=1``: PD-P and PD-D on the
+  same node) the split is pinned and only t is re-solved. With N > 1 the split
+  is free: N_p in 1..N-1 of ``n_local = N``, evaluated against the deployed
+  ``current_n_p`` (default N // 2).
   Returns a JSON-able proposal (``{"status": ...}`` when it cannot run yet).
   """
   from paas_jax.scheduling import (EmpiricalLengths, Rebalancer,  # pylint: disable=g-import-not-at-top
@@ -263,11 +293,19 @@ def rebalance_step(records: Sequence[dict], *, threshold: float, n_slots: int,
                      decode_profile=prof.decode, lengths=EmpiricalLengths.from_array(lengths),
                      output_tokens=out_tokens,
                      egress_bandwidth_bps=link_bandwidth_bps if link_bandwidth_bps > 0 else 1e9)
-  # One PD node runs PD-P and PD-D: model it as N_p = 1, N_d = 1 and pin the split.
-  reb = Rebalancer(base, n_prfaas=1, n_local=2, min_samples=min_samples,
-                   threshold_step_tokens=16.0)
   t_now = threshold if math.isfinite(threshold) else max(lengths) + 1
-  p = reb.propose(t_now, 1, lengths, n_p_choices=(1,))
+  if n_pd_nodes <= 1:
+    # One PD node runs PD-P and PD-D: model it as N_p = 1, N_d = 1 and pin the split.
+    reb = Rebalancer(base, n_prfaas=n_prfaas, n_local=2, min_samples=min_samples,
+                     threshold_step_tokens=16.0)
+    p = reb.propose(t_now, 1, lengths, n_p_choices=(1,))
+    note = "split pinned (one PD node does PD-P and PD-D)"
+  else:
+    n_p_now = n_pd_nodes // 2 if current_n_p is None else current_n_p
+    reb = Rebalancer(base, n_prfaas=n_prfaas, n_local=n_pd_nodes, min_samples=min_samples,
+                     threshold_step_tokens=16.0)
+    p = reb.propose(t_now, n_p_now, lengths, n_p_choices=range(1, n_pd_nodes))
+    note = f"split free: N_p in 1..{n_pd_nodes - 1} of {n_pd_nodes} PD nodes (now {n_p_now})"
   measured = any(c.startswith(("prfaas_prefill", "pdp_prefill")) for c in prof.calibrated)
   return {"status": "ok" if measured else "ok(placeholder prefill profiles)",
           "samples": len(rows), "calibrated": list(prof.calibrated),
@@ -275,7 +313,8 @@ def rebalance_step(records: Sequence[dict], *, threshold: float, n_slots: int,
           "current_lambda_max": p.current.lambda_max, "proposed_lambda_max": p.plan.lambda_max,
           "relative_gain": p.relative_gain, "apply": p.apply,
           "proposed_split": {"n_prfaas": p.plan.n_prfaas, "n_p": p.plan.n_p, "n_d": p.plan.n_d},
-          "note": "split pinned (one PD node does PD-P and PD-D); reported, not applied",
+          "note": note, "n_pd_nodes": n_pd_nodes,
+          "decode_step_s": float(prof.decode.step_seconds),
           "prfaas_service_s": float(prof.prfaas_prefill.t_prefill(
               np.mean([l for l in lengths if l > p.plan.threshold_tokens] or lengths))),
           "pdp_service_s": float(prof.pdp_prefill.t_prefill(

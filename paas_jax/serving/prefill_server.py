@@ -7,6 +7,11 @@ transfer as soon as it is computed (``LayerwisePrefill``), so sending layer i
 overlaps computing layer i+1 -> report the first token -> commit the transfer
 -> report its bytes and time. Nothing of the request is kept afterwards.
 
+``--transfer_port`` opens a StateTransfer port that takes only cross-cluster
+prefix transfers from PD nodes (``prefix_transfer``: PD-P's cached prefixes
+for requests the broker offloads); ``ExportPrefix`` ships this server's cached
+prefixes to a PD node.
+
   python -m paas_jax.serving.prefill_server --port=50051 --config=tiny_gdn_gqa --seed=0
 """
 
@@ -27,6 +32,7 @@ from absl import app, flags
 
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.serving import cli, common
+from paas_jax.serving.prefix_transfer import PrefixExporter, PrefixImporter
 from paas_jax.serving.batching import PrefillBatcher, PrefillJob
 from paas_jax.serving.engine import (EngineConfig, EngineError, InvalidRequestError,
                                      PrefillEngine, PrefillInput, RequestParams,
@@ -42,13 +48,24 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
   def __init__(self, model, engine_config: EngineConfig, *, batch_window_s: float = 0.005,
                sender_options=None, codec=None,
                channel_credentials: grpc.ChannelCredentials | None = None,
-               max_queue: int = 64, metrics=None, faults=None):
+               max_queue: int = 64, metrics=None, faults=None, engine=None, batcher=None,
+               link_label: str = "A->B", prefix_exporter=None, prefix_importer=None):
+    """``engine``/``batcher``: serve Prefill from an existing PrefillEngine and
+    its PrefillBatcher (a PD node acting as PD-P for another PD node shares its
+    own engine and prefix cache instead of loading a second copy). ``link_label``
+    names the link in the transfer metrics ("B->B" for intra-region PD-P).
+    ``prefix_exporter``/``prefix_importer``: the owner's pair for the same
+    engine (a PD node has one already); None builds region A's."""
     from paas_jax.codec import CodecOptions  # pylint: disable=g-import-not-at-top
     from paas_jax.transport import SenderOptions  # pylint: disable=g-import-not-at-top
     self.model = model
     self.config = model.config
-    self.engine = PrefillEngine(model, engine_config)
-    self.batcher = PrefillBatcher(self.engine, batch_window_s, name="prfaas")
+    if (engine is None) != (batcher is None):
+      raise ValueError("give both engine and batcher, or neither")
+    self.engine = engine if engine is not None else PrefillEngine(model, engine_config)
+    self.batcher = (batcher if batcher is not None
+                    else PrefillBatcher(self.engine, batch_window_s, name="prfaas"))
+    self.link_label = link_label
     self.codec = codec or CodecOptions()
     self.sender_options = sender_options or SenderOptions(num_streams=2,
                                                           credentials=channel_credentials)
@@ -64,6 +81,14 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     self.max_queue = max_queue
     self.metrics = metrics  # paas_jax.observability.ServingMetrics or None
     self.faults = faults    # paas_jax.security.faults.FaultPlan or None (tests, demo)
+    # Cross-cluster prefix transfers (paas_jax.serving.prefix_transfer):
+    # ExportPrefix ships this engine's cached prefixes to a PD node; the
+    # importer takes PD nodes' prefixes from the transfer port start() opens.
+    self.prefix_exporter = prefix_exporter or PrefixExporter(
+        self.config, self.engine, codec=self.codec, credentials=channel_credentials,
+        metrics=metrics, link=link_label)
+    self.prefix_importer = prefix_importer or PrefixImporter(self.config, self.engine,
+                                                             metrics=metrics, link="B->A")
     if metrics is not None:
       metrics.track_queue("prefill_wait", lambda: self.batcher.queue_depth, limit=max_queue)
 
@@ -90,6 +115,7 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
   def stop(self) -> None:
     self.batcher.stop()
     self._finishers.shutdown(wait=False, cancel_futures=True)
+    self.prefix_exporter.close()
     with self._senders_lock:
       for s in self._senders.values():
         s.close()
@@ -155,8 +181,8 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         self.counters["transfers_failed"] += 1
         if self.metrics is not None:
           tl = tx.timeline()
-          self.metrics.observe_transfer("A->B", bytes_sent=tl.bytes_sent, state_bytes=0,
-                                        seconds=0.0, ok=False,
+          self.metrics.observe_transfer(self.link_label, bytes_sent=tl.bytes_sent,
+                                        state_bytes=0, seconds=0.0, ok=False,
                                         retried_chunks=tl.resent_chunks)
         events.put(("error", e.code, f"state transfer to {request.decode_target} failed: "
                                      f"{e.message}"))
@@ -170,7 +196,7 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
       self.counters["resent_chunks"] += result.timeline.resent_chunks
       if self.metrics is not None:
         tl = result.timeline
-        self.metrics.observe_transfer("A->B", bytes_sent=tl.bytes_sent,
+        self.metrics.observe_transfer(self.link_label, bytes_sent=tl.bytes_sent,
                                       state_bytes=tl.state_bytes, seconds=tl.duration_s or 0.0,
                                       retried_chunks=tl.resent_chunks)
       events.put(("done", result))
@@ -184,8 +210,8 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         if self.metrics is not None:
           tl = tx.timeline() if tx is not None else None
           self.metrics.observe_transfer(
-              "A->B", bytes_sent=tl.bytes_sent if tl else 0, state_bytes=0, seconds=0.0,
-              ok=False, retried_chunks=tl.resent_chunks if tl else 0)
+              self.link_label, bytes_sent=tl.bytes_sent if tl else 0, state_bytes=0,
+              seconds=0.0, ok=False, retried_chunks=tl.resent_chunks if tl else 0)
       self._release_prefix(rid)
       if isinstance(e, TransferError):
         events.put(("error", e.code, f"could not open a transfer to "
@@ -256,12 +282,17 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     if self.engine.prefix_cache is not None:
       self.engine.release_prefix(rid)  # bytes: gauge prefix_released_bytes
 
+  def ExportPrefix(self, request, context):
+    return self.prefix_exporter.serve(request, context)
+
   def GetStats(self, request, context):
     s = dict(self.counters)
     s.update(queue=self.batcher.queue_depth, batches=self.batcher.batches,
              prompts=self.batcher.prompts, prompt_tokens=self.batcher.tokens,
              busy_s=self.batcher.busy_s, uptime_s=time.time() - self.started)
     s.update(common.prefix_cache_gauges(self.engine, request.prefix_probe_ids))
+    s.update(self.prefix_importer.gauges())
+    s.update(self.prefix_exporter.gauges())
     return serving_pb2.StatsResponse(
         server="prefill", gauges={k: float(v) for k, v in s.items()},
         json=json.dumps({"model": self.config.name, "fingerprint": self.config.fingerprint(),
@@ -269,10 +300,15 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
 
 
 class PrefillServer:
+  """A running prefill server: the control port and, if started with one, the
+  transfer port (``transfer``, a ``ReceiverServer``) that imports PD nodes'
+  prefixes."""
 
-  def __init__(self, servicer: PrefillServicer, control: common.RunningServer):
+  def __init__(self, servicer: PrefillServicer, control: common.RunningServer,
+               transfer=None):
     self.servicer = servicer
     self.control = control
+    self.transfer = transfer
 
   @property
   def address(self) -> str:
@@ -280,6 +316,8 @@ class PrefillServer:
 
   def stop(self) -> None:
     self.control.stop(0.5)
+    if self.transfer is not None:
+      self.transfer.stop(0.5)
     self.servicer.stop()
 
 
@@ -288,7 +326,7 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
           credentials: grpc.ServerCredentials | None = None, interceptors=(),
           channel_credentials: grpc.ChannelCredentials | None = None,
           security=None, metrics=None, faults=None, max_queue: int = 64,
-          warmup: bool = True) -> PrefillServer:
+          warmup: bool = True, transfer_port: int | None = None) -> PrefillServer:
   """Starts the Prefill service.
 
   ``security`` (a ``paas_jax.security.ServiceSecurity`` of role prefill)
@@ -297,6 +335,9 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
   overrides ``credentials`` / ``channel_credentials`` and the credentials of
   ``sender_options``. ``metrics`` records RPCs, the queue and every transfer;
   ``faults`` (``FaultPlan``) injects faults for tests and the demo.
+  ``transfer_port`` (None: none) opens a StateTransfer port that only takes
+  cross-cluster prefix transfers ("prefix:" ids) into the prefix cache; with
+  ``security``, only decode servers may push there (``service_rules``).
   """
   from paas_jax.security.hooks import server_interceptors  # pylint: disable=g-import-not-at-top
   if security is not None:
@@ -312,10 +353,20 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
       f"{host}:{port}", lambda s: serving_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
       credentials=credentials, services=[SERVICE], max_workers=128,
       interceptors=server_interceptors(security, metrics) + list(interceptors))
+  transfer = None
+  if transfer_port is not None:
+    from paas_jax.transport import StateReceiver, serve_receiver  # pylint: disable=g-import-not-at-top
+    cfg = servicer.config
+    importer = servicer.prefix_importer
+    receiver = StateReceiver(models={cfg.name: cfg.fingerprint()}, template=importer.template,
+                             on_ready=importer.on_ready, on_failure=importer.on_failure)
+    transfer = serve_receiver(receiver, f"{host}:{transfer_port}", credentials=credentials,
+                              interceptors=server_interceptors(security, metrics)
+                              + list(interceptors))
   if warmup:
     log.info("prefill server warm: %s", servicer.warmup())
   control.set_serving([SERVICE])
-  return PrefillServer(servicer, control)
+  return PrefillServer(servicer, control, transfer)
 
 
 FLAGS = flags.FLAGS
@@ -341,9 +392,11 @@ def main(argv):
                  codec=CodecOptions(compression=FLAGS.codec_compression),
                  sender_options=SenderOptions(num_streams=FLAGS.transfer_streams),
                  security=security, metrics=metrics,
-                 faults=faults if faults.active else None, max_queue=FLAGS.max_queue)
+                 faults=faults if faults.active else None, max_queue=FLAGS.max_queue,
+                 transfer_port=FLAGS.transfer_port)
   common.write_ready_file(FLAGS.ready_file, {
       "pid": os.getpid(), "port": server.control.port, "model": model.config.name,
+      "transfer_port": server.transfer.port,
       "metrics_port": metrics_port,
       "startup_s": time.time() - t0})
   log.info("prefill server on %s, model %s", server.address, model.config.name)
@@ -356,4 +409,6 @@ if __name__ == "__main__":
   flags.DEFINE_enum("codec_compression", "raw", ["raw", "zstd", "blosc"],
                     "State codec compression on the link.")
   flags.DEFINE_integer("transfer_streams", 2, "Parallel Push streams per transfer.")
+  flags.DEFINE_integer("transfer_port", 0, "StateTransfer port for prefixes shipped from PD "
+                       "nodes (cross-cluster prefix cache; 0: pick a free one).")
   app.run(main)

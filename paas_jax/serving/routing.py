@@ -76,11 +76,19 @@ class AdaptiveRouterPolicy:
 
   router: object  # paas_jax.scheduling.PrfaasRouter
   view: Callable[[], object] | None = None
-  # The live stack cannot yet ship a cached prefix between regions, so a
-  # decision that needs one (abundant link, longer prefix in the other region)
-  # is re-taken with the scarce test: local iff l_total - l_pd <= t_eff, and
-  # each region reuses only its own cache. True keeps the router's decision.
-  cross_cluster_prefix: bool = False
+  # Which regions' cached prefixes the deployment can ship to the other region
+  # before prefilling (the broker's ExportPrefix transfers): True = both,
+  # False = none, or a collection of prefix sources ("prfaas": A -> B,
+  # "pdp": B -> A). The broker sets it to what it can do. A decision that
+  # needs a transfer it cannot do (abundant link, longer prefix in the other
+  # region) is re-taken with the scarce test: local iff l_total - l_pd <=
+  # t_eff, and each region reuses only its own cache.
+  cross_cluster_prefix: bool | frozenset = False
+
+  def ships(self, prefix_source: str) -> bool:
+    """Whether a prefix cached in ``prefix_source`` can be shipped across."""
+    x = self.cross_cluster_prefix
+    return bool(x) if isinstance(x, bool) else prefix_source in x
 
   def decide(self, request: RouteRequest) -> RouteDecision:
     from paas_jax.scheduling import ClusterView, RequestInfo  # pylint: disable=g-import-not-at-top
@@ -91,7 +99,7 @@ class AdaptiveRouterPolicy:
                                        l_prfaas_cached=request.prfaas_cached_tokens), view)
     t = d.effective_threshold
     reason = f"adaptive:{d.reason}"
-    if d.cross_cluster_prefix and not self.cross_cluster_prefix:
+    if d.cross_cluster_prefix and not self.ships(d.prefix_source):
       l_pd, l_rf = request.cached_prefix_tokens, request.prfaas_cached_tokens
       local = request.prompt_tokens - l_pd <= t
       route, src, n = (PDP, "pdp", l_pd) if local else (PRFAAS, "prfaas", l_rf)

@@ -43,6 +43,9 @@ def test_abundant_uses_remote_cache_with_cross_cluster_transfer():
 def test_abundant_tie_prefers_local_copy():
   d = ROUTER.decide(RequestInfo(12_000, l_pd_cached=5_000, l_prfaas_cached=5_000), ABUNDANT)
   assert (d.route, d.prefix_source) == ("pdp", "pdp")
+  # Offloaded: PrfaaS's own copy, not a second one shipped from PD-P.
+  d = ROUTER.decide(RequestInfo(40_000, l_pd_cached=5_000, l_prfaas_cached=5_000), ABUNDANT)
+  assert (d.route, d.prefix_source) == ("prfaas", "prfaas") and not d.cross_cluster_prefix
 
 
 def test_congested_link_raises_threshold():

@@ -89,7 +89,12 @@ def broker(pki, serve, broker_config):
   security = ServiceSecurity(tls=pki.tls("broker"), role="broker",
                              tokens=TokenSet([("alice", ALICE)]))
   assert security.interceptors()[0].__class__ is BearerTokenInterceptor
-  assert len(security.interceptors()) == 1  # public port: no client-cert rule
+  # Public port: no client-cert rule for the API; only the operator method
+  # (SetRoles) is guarded by a peer rule, which lets everything else through.
+  extra = security.interceptors()[1:]
+  assert [type(i).__name__ for i in extra] == ["PeerIdentityInterceptor"]
+  assert extra[0].only_ruled and [p for p, _ in extra[0].rules] == [
+      "/paas_jax.serving.v1.Broker/SetRoles"]
   return serve(lambda s: serving_pb2_grpc.add_BrokerServicer_to_server(servicer, s),
                credentials=security.server_credentials(),
                interceptors=security.interceptors())

@@ -108,8 +108,9 @@ def test_congested_link_raises_the_threshold(adaptive):
 
 def test_prefix_cached_in_the_other_region(adaptive, reference, region_stubs):
   """A prefix only region A holds: scarce -> offload and reuse it there; abundant ->
-  the router wants it shipped to PD-P, which the live stack cannot do yet, so the
-  scarce test decides (still PrfaaS). Once PD holds it too, abundant keeps it local."""
+  the router wants it shipped to PD-P; with the broker's prefix transfers off
+  the scarce test decides (still PrfaaS). Once PD holds it too, abundant keeps
+  it local. (The transfers themselves: tests/serving/test_prefix_transfer.py.)"""
   client, holder, server = adaptive
   prefill_stub, decode_stub = region_stubs
   shared = _tokens(3 * PREFIX_BLOCK, 11)
@@ -130,7 +131,11 @@ def test_prefix_cached_in_the_other_region(adaptive, reference, region_stubs):
   assert out.tokens == reference(tuple(prompt), 8)
 
   holder["view"] = ABUNDANT
-  out = client.generate(prompt_ids=prompt, max_new_tokens=8, request_id="other-abundant")
+  server.servicer.enable_prefix_transfer(enabled=False)
+  try:
+    out = client.generate(prompt_ids=prompt, max_new_tokens=8, request_id="other-abundant")
+  finally:
+    server.servicer.enable_prefix_transfer()
   info = _route_info(server, "other-abundant")
   assert out.route == "prfaas"
   assert "no_cross_cluster_prefix(prfaas->pdp)" in info["route_reason"]

@@ -1229,9 +1229,10 @@ if __name__ == "__main__":
   flags.DEFINE_float("threshold", 128, "Selective offloading: prompts longer than this many "
                      "tokens are prefilled remotely (<0: never).")
   flags.DEFINE_string("codec_json", "", "CodecOptions JSON for the link (empty: server default).")
-  flags.DEFINE_enum("router", "static", ["static", "adaptive"],
-                    "static: l > threshold offloads. adaptive: PrfaasRouter (bandwidth regime, "
-                    "queue-aware t, prefix caches of both regions) on a live ClusterView.")
+  flags.DEFINE_enum("router", "adaptive", ["static", "adaptive"],
+                    "adaptive: PrfaasRouter (bandwidth regime, queue-aware t, prefix caches "
+                    "of both regions) on a live ClusterView. static: l > threshold offloads "
+                    "(the baseline; ClusterSpec's default, for deterministic tests).")
   flags.DEFINE_bool("live_view", False, "Poll the regions for the live ClusterView and probe "
                     "prefix caches even with --router=static.")
   flags.DEFINE_float("link_bandwidth_bps", 1e9, "PrfaaS->PD link capacity the router assumes.")

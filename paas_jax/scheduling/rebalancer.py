@@ -49,6 +49,8 @@ class Rebalancer:
       because moving an instance between roles drains it (lost capacity for a while).
     min_samples: below this many length samples the measured distribution is too noisy.
     threshold_step_tokens: grid step of the t search.
+    min_move_gain: ``propose_split`` only: a different N_p/N_d split must beat the best t at
+      the current split by more than this (re-tuning t is free, a move drains nodes).
   """
 
   base: SystemModel
@@ -57,10 +59,13 @@ class Rebalancer:
   min_relative_gain: float = 0.05
   min_samples: int = 200
   threshold_step_tokens: float = 100.0
+  min_move_gain: float = 0.10
 
   def __post_init__(self):
-    if self.min_relative_gain < 0 or self.min_samples < 1 or self.threshold_step_tokens <= 0:
-      raise ValueError("min_relative_gain >= 0, min_samples >= 1, threshold_step_tokens > 0 required")
+    if (self.min_relative_gain < 0 or self.min_samples < 1 or self.threshold_step_tokens <= 0
+        or self.min_move_gain < 0):
+      raise ValueError("min_relative_gain >= 0, min_samples >= 1, threshold_step_tokens > 0, "
+                       "min_move_gain >= 0 required")
 
   def measured_system(self, length_samples: Sequence[float] | np.ndarray, *,
                       prfaas_profile: PrefillProfile | None = None,
@@ -106,3 +111,25 @@ class Rebalancer:
       gain = float("inf") if plan.lambda_max > 0 else 0.0
     return RebalanceProposal(plan=plan, current=current, apply=gain > self.min_relative_gain,
                              relative_gain=gain)
+
+  def propose_split(self, current_threshold: float, current_n_p: int,
+                    length_samples: Sequence[float] | np.ndarray, *,
+                    n_p_choices: Sequence[int] | None = None, **measured) -> RebalanceProposal:
+    """``propose`` for a deployment that moves nodes between PD-P and PD-D.
+
+    The free optimum over ``n_p_choices`` is returned only if its split equals the current
+    one, or if it beats the best t at the current split by more than ``min_move_gain``: the
+    move has to pay for its drains by itself, since re-tuning t alone costs nothing.
+    Otherwise the result is the t-only proposal at the current split (so ``plan.n_p ==
+    current_n_p``). On the heavy-tailed case-study lengths, a few hundred samples make the
+    free optimum flip between adjacent splits 6% apart; the extra margin stops those moves.
+    """
+    free = self.propose(current_threshold, current_n_p, length_samples, n_p_choices=n_p_choices,
+                        **measured)
+    if free.plan.n_p == current_n_p:
+      return free
+    stay = self.propose(current_threshold, current_n_p, length_samples,
+                        n_p_choices=(current_n_p,), **measured)
+    if free.plan.lambda_max > stay.plan.lambda_max * (1.0 + self.min_move_gain):
+      return free
+    return stay

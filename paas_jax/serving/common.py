@@ -205,12 +205,62 @@ def wait_for_termination(on_stop: Callable[[], None]) -> None:
     on_stop()
 
 
-def prefix_cache_gauges(engine, probe_ids: Sequence[int] = ()) -> dict:
+class ProbeError(ValueError):
+  """A malformed prefix probe in a ``StatsRequest``; ``code`` is the status to answer."""
+
+  def __init__(self, code: grpc.StatusCode, message: str):
+    super().__init__(message)
+    self.code = code
+
+
+def probe_gauges(engine, request, context) -> dict:
+  """``prefix_cache_gauges`` for a GetStats ``request``; a bad probe aborts
+  the call with the ``ProbeError``'s code (INVALID_ARGUMENT / FAILED_PRECONDITION)."""
+  try:
+    return prefix_cache_gauges(engine, request.prefix_probe_ids,
+                               probe_hashes=request.prefix_probe_hashes,
+                               probe_block=request.prefix_probe_block)
+  except ProbeError as e:
+    context.abort(e.code, f"GetStats: {e}")
+    raise  # context.abort raises; kept for callers passing a stub context
+
+
+def prefix_cache_gauges(engine, probe_ids: Sequence[int] = (), *,
+                        probe_hashes: Sequence[bytes] = (), probe_block: int = 0) -> dict:
   """GetStats gauges of a ``PrefillEngine``'s prefix cache, plus the cached
-  prefix length of ``probe_ids`` (``prefix_cached_tokens``) when given."""
+  prefix length (``prefix_cached_tokens``, tokens) of a probe when given:
+  either the prompt's ids (``probe_ids``) or the chained hashes of the complete
+  ``probe_block``-token blocks of prompt[:len-1] (``probe_hashes``, see
+  ``StatsRequest``); both forms give the same answer.
+
+  Raises:
+    ProbeError: INVALID_ARGUMENT for ids and hashes together, hashes with a
+      block <= 0 or a hash that is not ``HASH_BYTES`` long;
+      FAILED_PRECONDITION for a block size other than this cache's (the hashes
+      cannot match: the broker re-learns the block from ``prefix_block``).
+  """
+  hashed = bool(probe_hashes) or probe_block != 0
+  if hashed:
+    from paas_jax.state.prefix_cache import HASH_BYTES  # pylint: disable=g-import-not-at-top
+    if probe_ids:
+      raise ProbeError(grpc.StatusCode.INVALID_ARGUMENT,
+                       "give prefix_probe_ids or prefix_probe_hashes, not both")
+    if probe_block <= 0:
+      raise ProbeError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"prefix_probe_block must be > 0 with prefix_probe_hashes, got "
+                       f"{probe_block}")
+    bad = next((i for i, h in enumerate(probe_hashes) if len(h) != HASH_BYTES), None)
+    if bad is not None:
+      raise ProbeError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"prefix_probe_hashes[{bad}] has {len(probe_hashes[bad])} bytes, "
+                       f"not {HASH_BYTES}")
   cache = getattr(engine, "prefix_cache", None)
   if cache is None:
     return {"prefix_cache_enabled": 0.0}
+  if hashed and probe_block != cache.block_size:
+    raise ProbeError(grpc.StatusCode.FAILED_PRECONDITION,
+                     f"prefix_probe_block is {probe_block} but this server's prefix cache "
+                     f"uses {cache.block_size}-token blocks (gauge prefix_block)")
   st = cache.stats
   # Hits are counted per prompt by the engine (what reuse actually saved);
   # the cache's lookup counters are kept as prefix_lookup_*.
@@ -223,7 +273,12 @@ def prefix_cache_gauges(engine, probe_ids: Sequence[int] = ()) -> dict:
          "prefix_hit_tokens": float(getattr(engine, "prefix_reused_tokens", 0)),
          "prefix_lookup_hits": float(st.hits), "prefix_lookup_misses": float(st.misses),
          "prefix_lookup_hit_tokens": float(st.hit_tokens),
-         "prefix_released_bytes": float(getattr(engine, "prefix_released_bytes", 0))}
-  if probe_ids:
+         "prefix_released_bytes": float(getattr(engine, "prefix_released_bytes", 0)),
+         # This server takes StatsRequest.prefix_probe_hashes (a broker sends
+         # them only to servers that say so; older ones would answer 0).
+         "prefix_probe_hashes": 1.0}
+  if hashed:
+    out["prefix_cached_tokens"] = float(engine.cached_prefix_tokens_hashed(list(probe_hashes)))
+  elif probe_ids:
     out["prefix_cached_tokens"] = float(engine.cached_prefix_tokens(list(probe_ids)))
   return out

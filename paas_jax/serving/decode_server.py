@@ -258,13 +258,17 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
              receiver_bytes_in_use=self.receiver.bytes_in_use,
              receiver_active_transfers=len(self.receiver.active_transfers()),
              uptime_s=time.time() - self.started)
-    s.update(common.prefix_cache_gauges(self.prefill_engine, request.prefix_probe_ids))
+    s.update(common.probe_gauges(self.prefill_engine, request, context))
     s.update(self.prefix_importer.gauges())
     s.update(self.prefix_exporter.gauges())
+    # Region B's own sends over the WAN: its prefix exports (B->A). The PD-P
+    # role's state sends (B->B, region B's network) are not in these.
+    s.update(self.prefix_exporter.link_counters.gauges())
     gauges = {k: float(v) for k, v in s.items()}
     extra = {"model": self.config.name, "fingerprint": self.config.fingerprint(),
              "config": self.config.to_dict(),
-             "max_ctx": self.engine.max_ctx, "page_size": self.engine.page_size}
+             "max_ctx": self.engine.max_ctx, "page_size": self.engine.page_size,
+             "link": self.prefix_exporter.link_counters.report()}
     return serving_pb2.StatsResponse(server=self.name, gauges=gauges, json=json.dumps(extra))
 
 

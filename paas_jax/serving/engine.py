@@ -291,6 +291,16 @@ class PrefillEngine:
     except RuntimeError:  # a dict resized under us; report a miss
       return 0
 
+  def cached_prefix_tokens_hashed(self, hashes: Sequence[bytes]) -> int:
+    """``cached_prefix_tokens`` from the prompt's block hashes (a broker's
+    ``prefix_probe_hashes``: blocks of prompt[:len-1]); tokens, 0 without a cache."""
+    if self.prefix_cache is None or not hashes:
+      return 0
+    try:  # no lock, as above
+      return self.prefix_cache.match_length_hashes(hashes)
+    except RuntimeError:
+      return 0
+
   def release_prefix(self, owner: str) -> int:
     """Drops the prefix-cache entries tagged with ``owner``; returns bytes freed now.
 

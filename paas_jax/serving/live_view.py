@@ -6,17 +6,40 @@
   ``pdp_queue``), polled by a background thread every ``poll_s`` (200 ms) with a
   deadline per call; a server that does not answer keeps its last value and is
   counted in ``poll_errors``;
-* **link utilization** over the trailing ``window_s`` from the broker's own
-  record of recent transfers (``TransferDone``: bytes on the link, Begin to
-  Commit time), each transfer's bytes spread evenly over its duration;
-* **link backlog**: bytes of transfers that have started (prefill running or
-  state streaming) and not finished, each estimated from the prompt length
-  with the bytes/token of past transfers (``c + k*l`` once two lengths were
-  seen). It over-counts a transfer that is half sent.
+* **link utilization** over the trailing ``window_s``, measured: the rate of
+  the prefill servers' ``link_bytes_sent_total`` counters (bytes their
+  senders have put on the link, states and prefix exports, counted as gRPC
+  takes each chunk; ``paas_jax.transport.LinkCounters``) between successive
+  polls. Fallback, when a prefill server answers without link gauges (an
+  older server) or fewer than two polls exist: the broker's own record of
+  recent transfers (``TransferDone``: bytes on the link, Begin to Commit
+  time), each transfer's bytes spread evenly over its duration;
+* **link backlog**: the prefill servers' ``link_bytes_pending`` (bytes encoded
+  or queued for the link and not yet sent, of transfers in flight) from the
+  latest poll, plus an estimate only for what the servers do not report yet:
+  a transfer the broker started that no server has listed (waiting for its
+  prefill batch, or on an older server) counts ``c + k*l`` bytes (fitted on
+  past transfers' prompt length and bytes); one listed but not fully encoded
+  (prefill still producing layers) counts what the estimate says is still to
+  come, ``max(0, estimate - sent - pending)``; one listed as fully encoded, or
+  listed once and gone since (finished there, TransferDone not here yet),
+  counts nothing more. Nothing is counted twice. Without any link gauges the
+  backlog is the estimates alone, as before.
+
+PD nodes' own sends over the WAN (their prefix exports, B->A) are read the
+same way but kept apart as ingress (``snapshot``: ``ingress_*``), as the
+simulator keeps its ``pd->prfaas`` pipe apart from the router's link.
 
 ``view()`` returns the latest snapshot as a ``ClusterView``; ``probe_prefix``
-asks both regions for the cached prefix of a prompt (``StatsRequest.
-prefix_probe_ids``) in parallel with a short deadline (0 on timeout).
+asks both regions for the cached prefix of a prompt in parallel with a short
+deadline (0 on timeout). It sends the chained hashes of the prompt's blocks
+(``StatsRequest.prefix_probe_hashes``, 16 bytes per block) to a server whose
+block size and config fingerprint the polls have learned (gauge
+``prefix_block``, JSON ``fingerprint``; only from a server whose gauge
+``prefix_probe_hashes`` is 1, i.e. that takes them), computed once per
+distinct pair with the cache's own ``block_hashes``; the ids
+(``prefix_probe_ids``) only to a server not learned yet; nothing to a server
+without a prefix cache.
 
 The long timescale: every ``rebalance_every_s`` the state fits prefill
 profiles to the broker's measured requests (``ServiceProfile.from_demo_records``
@@ -30,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import math
 import threading
@@ -49,6 +73,25 @@ class _Transfer:
   start: float
   end: float
   nbytes: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkReport:
+  """One server's link gauges from one poll (``paas_jax.transport.LinkCounters``).
+
+  t: poll time (the state's clock, s); pending, sent_total: bytes;
+  transfers: the JSON ``link.transfers`` rows by transfer id (``pending``,
+  ``sent``: bytes; ``encoded``: every layer encoded).
+  """
+
+  t: float
+  pending: float
+  sent_total: float
+  transfers: dict
+
+
+# probe info of a server without a prefix cache: probes skip it (it answers 0).
+_NO_CACHE = (0, "")
 
 
 class LiveClusterState:
@@ -76,6 +119,21 @@ class LiveClusterState:
     self._thread: threading.Thread | None = None
     self._periodic: list[tuple[float, Callable[[], None], list]] = []
     self.ingress_bytes = 0.0  # B->A link bytes (cross-cluster prefixes)
+    # Measured link state (``ingest``): per prefill server (egress, the
+    # router's link) and per PD node (its prefix exports, B->A ingress); None
+    # until it answers with link gauges. ``_legacy``: prefill servers that
+    # answered without them (utilization then falls back to TransferDone).
+    self._egress: list[LinkReport | None] = [None] * len(self.prefill_stubs)
+    self._ingress: list[LinkReport | None] = [None] * len(self.decode_stubs)
+    self._legacy = [False] * len(self.prefill_stubs)
+    # (poll time, link_bytes_sent_total) per prefill server, covering the window.
+    self._sent_series = [collections.deque(maxlen=1024) for _ in self.prefill_stubs]
+    self._seen: set[str] = set()  # in-flight transfers some server has listed
+    # ("prfaas"|"pdp", index) -> (block tokens, config fingerprint) of the
+    # server's prefix cache, _NO_CACHE, or absent (not learned: probe by ids).
+    self._probe_info: dict[tuple[str, int], tuple[int, str]] = {}
+    self.probe_requests = 0  # probe RPCs sent
+    self.probe_request_bytes = 0  # their serialized StatsRequest bytes
     # () -> (PD-P, PD-D) instances serving now (the broker's PD roles); None:
     # every PD node counts as PD-P (one colocated node).
     self.instance_counts: Callable[[], tuple[int, int]] | None = None
@@ -118,15 +176,62 @@ class LiveClusterState:
               for i, s in enumerate(self.decode_stubs)]
     for kind, i, fut in calls:
       try:
-        g = fut.result().gauges
+        response = fut.result()
       except grpc.RpcError:
         self.poll_errors += 1
         continue
-      if kind == "prefill":
-        self.prfaas_queue[i] = int(g.get("queue", 0))
-      else:
-        self.pdp_queue[i] = int(g.get("pdp_queue", 0))
+      self.ingest(kind, i, response)
     self.polls += 1
+
+  def ingest(self, kind: str, i: int, response, now: float | None = None) -> None:
+    """Takes one server's ``StatsResponse`` (``kind`` "prefill" or "decode",
+    index ``i``, polled at ``now``): queue depth, link gauges, prefix-cache
+    block and fingerprint. Pure state update (tests feed it directly)."""
+    now = self.clock() if now is None else now
+    g = response.gauges
+    try:
+      info = json.loads(response.json) if response.json else {}
+    except ValueError:
+      info = {}
+    if not isinstance(info, dict):
+      info = {}
+    side = "prfaas" if kind == "prefill" else "pdp"
+    if "prefix_cache_enabled" in g:
+      block, fp = int(g.get("prefix_block", 0)), info.get("fingerprint")
+      if g["prefix_cache_enabled"] <= 0:
+        self._probe_info[(side, i)] = _NO_CACHE
+      elif (block > 0 and isinstance(fp, str) and fp
+            and g.get("prefix_probe_hashes", 0.0) > 0):
+        # Only a server that says it takes hashed probes gets them: an older
+        # one would ignore the unknown fields and answer 0.
+        self._probe_info[(side, i)] = (block, fp)
+      else:
+        self._probe_info.pop((side, i), None)
+    report = None
+    if "link_bytes_sent_total" in g:
+      rows = (info.get("link") or {}).get("transfers") or {}
+      report = LinkReport(now, float(g.get("link_bytes_pending", 0.0)),
+                          float(g["link_bytes_sent_total"]),
+                          {str(k): v for k, v in rows.items() if isinstance(v, dict)})
+    if kind == "prefill":
+      self.prfaas_queue[i] = int(g.get("queue", 0))
+      with self._lock:
+        self._egress[i], self._legacy[i] = report, report is None
+        series = self._sent_series[i]
+        if report is None:
+          series.clear()
+          return
+        if series and report.sent_total < series[-1][1]:
+          series.clear()  # the server restarted: its counter began again
+        series.append((now, report.sent_total))
+        # Keep one sample at or before the window's start (the rate's base).
+        while len(series) > 2 and series[1][0] <= now - self.window_s:
+          series.popleft()
+        self._seen.update(t for t in report.transfers if t in self._inflight)
+    else:
+      self.pdp_queue[i] = int(g.get("pdp_queue", 0))
+      with self._lock:
+        self._ingress[i] = report
 
   # -- link accounting ---------------------------------------------------------------
 
@@ -166,14 +271,50 @@ class LiveClusterState:
         self.ingress_bytes += max(float(nbytes), 0.0)
         return
       self._inflight.pop(request_id, None)
+      self._seen.discard(request_id)
       if nbytes > 0:
         self._transfers.append(_Transfer(now - max(duration_s, 0.0), now, float(nbytes)))
         if prompt_tokens > 0:
           self._size_samples.append((int(prompt_tokens), float(nbytes)))
 
+  def measured_link_rate(self) -> float | None:
+    """Bytes/s the prefill servers put on the link over the trailing window,
+    from successive polls of ``link_bytes_sent_total``; None when it cannot be
+    measured (a server without link gauges, or no server polled twice yet).
+
+    Per server: the counter's increase from the window's start (interpolated
+    between the polls around it) to its latest poll, over that span. A server
+    whose latest poll is older than the window (not answering) adds nothing.
+    """
+    now = self.clock()
+    with self._lock:
+      if any(self._legacy):
+        return None
+      series = [list(s) for s in self._sent_series]
+    rate, measured = 0.0, False
+    for s in series:
+      if len(s) < 2:
+        continue
+      measured = True
+      t_last, v_last = s[-1]
+      if now - t_last > self.window_s:
+        continue
+      lo = t_last - self.window_s
+      t0, v0 = s[0]
+      if t0 < lo:  # interpolate the counter at the window's start
+        t1, v1 = s[1]
+        v0 = v0 + (v1 - v0) * (lo - t0) / (t1 - t0) if t1 > t0 else v1
+        t0 = lo
+      if t_last > t0:
+        rate += max(v_last - v0, 0.0) / (t_last - t0)
+    return rate if measured else None
+
   def link_utilization(self) -> float:
     if self.link_bandwidth_bps <= 0:
       return 1.0
+    rate = self.measured_link_rate()
+    if rate is not None:
+      return min(1.0, max(0.0, 8.0 * rate / self.link_bandwidth_bps))
     now = self.clock()
     lo = now - self.window_s
     delivered = 0.0
@@ -190,8 +331,33 @@ class LiveClusterState:
     return min(1.0, max(0.0, 8.0 * delivered / (self.link_bandwidth_bps * self.window_s)))
 
   def backlog_bytes(self) -> float:
+    """Bytes waiting for the link (see the module docstring): the servers'
+    measured ``link_bytes_pending`` plus estimates for what they do not list yet."""
     with self._lock:
-      return float(sum(self._inflight.values()))
+      inflight = dict(self._inflight)
+      reports = [r for r in self._egress if r is not None]
+      seen = set(self._seen)
+    if not reports:
+      return float(sum(inflight.values()))
+    total = sum(r.pending for r in reports)
+    rows: dict = {}
+    for r in reports:
+      rows.update(r.transfers)
+    for tid, est in inflight.items():
+      row = rows.get(tid)
+      if row is None:
+        if tid not in seen:  # not begun at any server yet (or an older server)
+          total += est
+      elif not row.get("encoded", False):
+        # Layers still to come: what the estimate says is left beyond what the
+        # server has sent or queued already.
+        total += max(0.0, est - float(row.get("sent", 0)) - float(row.get("pending", 0)))
+    return float(total)
+
+  def ingress_pending_bytes(self) -> float:
+    """B->A bytes the PD nodes' prefix exports have queued and not sent (measured)."""
+    with self._lock:
+      return float(sum(r.pending for r in self._ingress if r is not None))
 
   # -- the router's inputs -------------------------------------------------------------
 
@@ -212,19 +378,54 @@ class LiveClusterState:
       return len(self.decode_stubs)
     return int(self.instance_counts()[0])
 
+  def probe_requests_for(self, prompt: Sequence[int]) -> list[tuple[str, int, object]]:
+    """The probe of each server, as (side, index, StatsRequest): hashes of the
+    blocks of prompt[:len-1] for a server whose block and fingerprint are
+    known (one hash computation per distinct pair), the ids otherwise; a
+    server without a prefix cache, or a prompt without one complete block
+    before its last token, gets no probe (it would answer 0)."""
+    from paas_jax.state.prefix_cache import block_hashes, probe_tokens  # pylint: disable=g-import-not-at-top
+    out, by_info, ids_req = [], {}, None
+    for side, stubs in (("pdp", self.decode_stubs), ("prfaas", self.prefill_stubs)):
+      for i in range(len(stubs)):
+        info = self._probe_info.get((side, i))
+        if info == _NO_CACHE:
+          continue
+        if info is None:
+          if ids_req is None:
+            ids_req = serving_pb2.StatsRequest(prefix_probe_ids=list(prompt))
+          out.append((side, i, ids_req))
+          continue
+        if info not in by_info:
+          hashes = block_hashes(probe_tokens(prompt), info[0], info[1])
+          by_info[info] = (serving_pb2.StatsRequest(prefix_probe_hashes=hashes,
+                                                    prefix_probe_block=info[0])
+                           if hashes else None)
+        if by_info[info] is not None:
+          out.append((side, i, by_info[info]))
+    return out
+
   def probe_prefix(self, prompt: Sequence[int]) -> tuple[int, int]:
     """(l_pd_cached, l_prfaas_cached): the longest cached prefix in each region
-    (max over its servers); a server that does not answer in time counts as 0."""
-    req = serving_pb2.StatsRequest(prefix_probe_ids=list(prompt))
-    futs = [("pdp", s.GetStats.future(req, timeout=self.probe_deadline_s))
-            for s in self.decode_stubs]
-    futs += [("prfaas", s.GetStats.future(req, timeout=self.probe_deadline_s))
-             for s in self.prefill_stubs]
+    (max over its servers); a server that does not answer in time counts as 0.
+    A FAILED_PRECONDITION answer to hashes (the server's block size changed)
+    forgets what was learned of it: it gets ids until the next poll."""
+    stubs = {"pdp": self.decode_stubs, "prfaas": self.prefill_stubs}
+    futs = []
+    for side, i, req in self.probe_requests_for(prompt):
+      futs.append((side, i, req, stubs[side][i].GetStats.future(
+          req, timeout=self.probe_deadline_s)))
+      with self._lock:
+        self.probe_requests += 1
+        self.probe_request_bytes += req.ByteSize()
     best = {"pdp": 0, "prfaas": 0}
-    for side, fut in futs:
+    for side, i, req, fut in futs:
       try:
         v = int(fut.result().gauges.get("prefix_cached_tokens", 0))
-      except grpc.RpcError:
+      except grpc.RpcError as e:
+        code = e.code() if callable(getattr(e, "code", None)) else None
+        if req.prefix_probe_block and code == grpc.StatusCode.FAILED_PRECONDITION:
+          self._probe_info.pop((side, i), None)
         continue
       best[side] = max(best[side], v)
     n = len(prompt)
@@ -236,7 +437,11 @@ class LiveClusterState:
             "link_backlog_bytes": v.link_backlog_bytes,
             "prfaas_queue_depth": v.prfaas_queue_depth, "pdp_queue_depth": v.pdp_queue_depth,
             "polls": self.polls, "poll_errors": self.poll_errors,
-            "ingress_bytes": self.ingress_bytes}
+            "link_measured": self.measured_link_rate() is not None,
+            "ingress_bytes": self.ingress_bytes,
+            "ingress_pending_bytes": self.ingress_pending_bytes(),
+            "probe_requests": self.probe_requests,
+            "probe_request_bytes": self.probe_request_bytes}
 
 
 def tiny_reference_profile(n_slots: int, link_bandwidth_bps: float):

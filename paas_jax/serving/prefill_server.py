@@ -55,9 +55,12 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     own engine and prefix cache instead of loading a second copy). ``link_label``
     names the link in the transfer metrics ("B->B" for intra-region PD-P).
     ``prefix_exporter``/``prefix_importer``: the owner's pair for the same
-    engine (a PD node has one already); None builds region A's."""
+    engine (a PD node has one already); None builds region A's, whose
+    exporter shares this servicer's link gauges (``link_counters``: every
+    sender of this servicer reports what it has pending on and has sent over
+    ``link_label``; GetStats ``link_*``)."""
     from paas_jax.codec import CodecOptions  # pylint: disable=g-import-not-at-top
-    from paas_jax.transport import SenderOptions  # pylint: disable=g-import-not-at-top
+    from paas_jax.transport import LinkCounters, SenderOptions  # pylint: disable=g-import-not-at-top
     self.model = model
     self.config = model.config
     if (engine is None) != (batcher is None):
@@ -66,6 +69,7 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     self.batcher = (batcher if batcher is not None
                     else PrefillBatcher(self.engine, batch_window_s, name="prfaas"))
     self.link_label = link_label
+    self.link_counters = LinkCounters(link_label)
     self.codec = codec or CodecOptions()
     self.sender_options = sender_options or SenderOptions(num_streams=2,
                                                           credentials=channel_credentials)
@@ -86,7 +90,7 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     # importer takes PD nodes' prefixes from the transfer port start() opens.
     self.prefix_exporter = prefix_exporter or PrefixExporter(
         self.config, self.engine, codec=self.codec, credentials=channel_credentials,
-        metrics=metrics, link=link_label)
+        metrics=metrics, link=link_label, link_counters=self.link_counters)
     self.prefix_importer = prefix_importer or PrefixImporter(self.config, self.engine,
                                                              metrics=metrics, link="B->A")
     if metrics is not None:
@@ -108,7 +112,7 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         self._channels.extend(chans)
         if self.faults is not None and self.faults.interceptors():
           chans = [grpc.intercept_channel(c, *self.faults.interceptors()) for c in chans]
-        sender = StateSender(channels_=chans, options=opts)
+        sender = StateSender(channels_=chans, options=opts, counters=self.link_counters)
         self._senders[target] = sender
       return sender
 
@@ -290,13 +294,17 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     s.update(queue=self.batcher.queue_depth, batches=self.batcher.batches,
              prompts=self.batcher.prompts, prompt_tokens=self.batcher.tokens,
              busy_s=self.batcher.busy_s, uptime_s=time.time() - self.started)
-    s.update(common.prefix_cache_gauges(self.engine, request.prefix_probe_ids))
+    s.update(common.probe_gauges(self.engine, request, context))
     s.update(self.prefix_importer.gauges())
     s.update(self.prefix_exporter.gauges())
+    # What this server's senders (states, and region A's prefix exports) have
+    # outstanding on the link now: the broker's live view measures the link's
+    # backlog and utilization from these instead of estimating them.
+    s.update(self.link_counters.gauges())
     return serving_pb2.StatsResponse(
         server="prefill", gauges={k: float(v) for k, v in s.items()},
         json=json.dumps({"model": self.config.name, "fingerprint": self.config.fingerprint(),
-                         "codec": self.codec.to_dict()}))
+                         "codec": self.codec.to_dict(), "link": self.link_counters.report()}))
 
 
 class PrefillServer:

@@ -137,14 +137,17 @@ class PrefixExporter:
   """Serves ``ExportPrefix`` for ``engine``'s prefix cache (see the module docstring).
 
   Senders (one per target, reused) are made on first use with
-  ``credentials`` (mutual TLS with this server's certificate, or None).
+  ``credentials`` (mutual TLS with this server's certificate, or None). They
+  report into ``link_counters`` (a ``LinkCounters`` of ``link``; default its own,
+  region A passes its state senders' so one set of ``link_*`` gauges covers
+  everything it sends over the link).
   """
 
   def __init__(self, config, engine, *, codec=None, sender_options=None,
                credentials: grpc.ChannelCredentials | None = None, metrics=None,
-               link: str = "A->B"):
+               link: str = "A->B", link_counters=None):
     from paas_jax.codec import CodecOptions  # pylint: disable=g-import-not-at-top
-    from paas_jax.transport import SenderOptions  # pylint: disable=g-import-not-at-top
+    from paas_jax.transport import LinkCounters, SenderOptions  # pylint: disable=g-import-not-at-top
     self.config = config
     self.engine = engine
     # Exact: the entry is reused by many later prompts, which must stay token-exact.
@@ -155,6 +158,7 @@ class PrefixExporter:
     self.credentials = credentials
     self.metrics = metrics
     self.link = link
+    self.link_counters = link_counters if link_counters is not None else LinkCounters(link)
     self._senders: dict[str, Any] = {}
     self._channels: list[grpc.Channel] = []
     self._lock = threading.Lock()
@@ -173,7 +177,7 @@ class PrefixExporter:
                               max_message_bytes=opts.max_message_bytes,
                               credentials=opts.credentials, extra_options=FAST_RECONNECT)
         self._channels.extend(chans)
-        sender = StateSender(channels_=chans, options=opts)
+        sender = StateSender(channels_=chans, options=opts, counters=self.link_counters)
         self._senders[target] = sender
       return sender
 

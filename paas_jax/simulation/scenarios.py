@@ -9,6 +9,9 @@ on the case-study inputs, then simulated on identical request traces:
 - ``naive``: 4 PrfaaS + all 8 H20 instances decoding; everything is offloaded.
 - ``prfaas_pd_static``: ablation of ``prfaas_pd`` with the short-timescale threshold
   adjustments switched off (raise/lower factors 1): t and the split only.
+
+The ``length_shift`` scenario compares ``prfaas_pd`` with the long-timescale
+rebalancer in three modes (``LENGTH_SHIFT_SYSTEMS``, built by ``length_shift_systems``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import math
 import numpy as np
 
 from paas_jax.scheduling.case_study import CaseStudy
+from paas_jax.scheduling.rebalancer import Rebalancer
 from paas_jax.scheduling.profiles import DecodeProfile
 from paas_jax.scheduling.router import PrfaasRouter, RouterConfig
 from paas_jax.scheduling.throughput import solve_deployment
@@ -31,6 +35,13 @@ from paas_jax.simulation.workload import (GammaArrivals, OnOffArrivals, PoissonA
 
 SYSTEMS = ("prfaas_pd", "prfaas_pd_static", "homogeneous", "naive")
 SCENARIOS = ("poisson", "gamma_bursty", "on_off", "link_drop", "link_drop_thin", "zipf_prefix")
+# Scenarios that compare rebalancer modes on their own systems (see ``length_shift_systems``).
+REBALANCE_SCENARIOS = ("length_shift",)
+ALL_SCENARIOS = SCENARIOS + REBALANCE_SCENARIOS
+# length_shift: mu of the truncated log-normal after the shift (before: the paper's 9.90).
+# The case-study optimum then moves from N_p/N_d = 3/5 to 1/7 (solve_deployment).
+LENGTH_SHIFT_MU_AFTER = 8.5
+LENGTH_SHIFT_SYSTEMS = ("prfaas_pd_moves", "prfaas_pd_threshold_only", "prfaas_pd_pinned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +109,15 @@ def scenario(name: str, case: CaseStudy, rate: float, duration_s: float, *,
                   dip (to 1/16 of the nominal link) falls below the mean KV egress.
   - zipf_prefix:  Poisson; 70% of requests start with one of 32 shared prefixes
                   (4K-32K tokens) drawn by Zipf(1.2), so prefix caches matter.
+  - length_shift: Poisson; at half time the input lengths shift from the paper's
+                  mu = 9.90 to ``LENGTH_SHIFT_MU_AFTER`` (much shorter prompts) and the rate
+                  scales by Lambda_max(after) / Lambda_max(before), both with a free split
+                  N_p in 1..n_local-1: the same fraction of what the best deployment of each
+                  phase carries. The best split changes (3/5 -> 1/7), so only a deployment
+                  that moves PD nodes keeps up.
   """
-  if name not in SCENARIOS:
-    raise ValueError(f"unknown scenario {name!r}; choose from {SCENARIOS}")
+  if name not in ALL_SCENARIOS:
+    raise ValueError(f"unknown scenario {name!r}; choose from {ALL_SCENARIOS}")
   if rate <= 0 or duration_s <= 0:
     raise ValueError("rate and duration_s must be > 0")
   bps = link_gbps * 1e9
@@ -118,9 +135,44 @@ def scenario(name: str, case: CaseStudy, rate: float, duration_s: float, *,
     hotspots = PrefixHotspots(num_prefixes=32, zipf_s=1.2, share_prob=0.7, min_tokens=4096,
                               max_tokens=32768)
   sysm = case.system
+  lengths_after, shift_at_s = None, math.inf
+  if name == "length_shift":
+    lengths_after, ratio = length_shift_after(case)
+    shift_at_s = 0.5 * duration_s
+    # Two phases: rate for [0, shift), rate * ratio after (off_s outlasts the run).
+    arrivals = OnOffArrivals(rate_on=rate, rate_off=rate * ratio, on_s=shift_at_s, off_s=duration_s)
   spec = WorkloadSpec(arrivals=arrivals, lengths=sysm.lengths, output_tokens=int(sysm.output_tokens),
-                      duration_s=duration_s, hotspots=hotspots)
+                      duration_s=duration_s, hotspots=hotspots, lengths_after=lengths_after,
+                      shift_at_s=shift_at_s)
   return spec, link
+
+
+def length_shift_after(case: CaseStudy, mu_after: float = LENGTH_SHIFT_MU_AFTER):
+  """(lengths after the shift, Lambda_max(after) / Lambda_max(before)), N_p in 1..n_local-1."""
+  sysm = case.system
+  after = dataclasses.replace(sysm.lengths, mu=mu_after)
+  choices = tuple(range(1, case.n_local))
+  lam = [solve_deployment(dataclasses.replace(sysm, lengths=l), case.n_prfaas, case.n_local,
+                          n_p_choices=choices).best.lambda_max for l in (sysm.lengths, after)]
+  return after, lam[1] / lam[0]
+
+
+def length_shift_systems(case: CaseStudy, prfaas_pd: SimConfig, *, interval_s: float = 60.0,
+                         min_samples: int = 200) -> dict:
+  """PrfaaS-PD (planned at mu = 9.90) with the long-timescale rebalancer in three modes.
+
+  - ``prfaas_pd_moves``: re-solves t and N_p (1..n_local-1) and moves PD nodes with drains;
+  - ``prfaas_pd_threshold_only``: re-solves t with the split pinned (the old behaviour);
+  - ``prfaas_pd_pinned``: no rebalancer (t and split as planned).
+  Both rebalanced systems also push the plan's per-request prefill times into the router.
+  """
+  rb = Rebalancer(case.system, case.n_prfaas, case.n_local, min_samples=min_samples)
+  kw = dict(rebalancer=rb, rebalance_interval_s=interval_s, rebalance_service_times=True)
+  return {
+      "prfaas_pd_moves": dataclasses.replace(prfaas_pd, rebalance_split=True, **kw),
+      "prfaas_pd_threshold_only": dataclasses.replace(prfaas_pd, **kw),
+      "prfaas_pd_pinned": prfaas_pd,
+  }
 
 
 def _finite_or(theta: float, n: int) -> float:

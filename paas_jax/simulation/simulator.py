@@ -19,6 +19,14 @@ Request life cycle (times in s, sizes in bytes, lengths in tokens):
    per step, step time from ``DecodeProfile.step_time`` re-evaluated on every
    join/leave, and TPOT = (finish - admission) / (output_tokens - 1).
 
+Local instances are PD nodes with a role (``paas_jax.serving.pd_roles``, the same pure rules
+the live broker runs): PD-D nodes first (ids 0..n_decode-1), then PD-P nodes. With
+``SimConfig.rebalance_split`` the long-timescale rebalancer may move nodes between PD-P and
+PD-D: ``pd_roles.plan_split`` picks the fewest, least-loaded nodes, ``begin_moves`` starts
+their drains and ``settle`` completes them. A node leaving PD-P takes no new prefill and
+switches once its running prefill ends; a node leaving PD-D admits nothing and switches once
+its decode batch is empty.
+
 Simplifications: no chunked-prefill batching, no preemption, caches are per cluster (a
 shared pool), offloaded requests populate only the PrfaaS cache (shipping intermediate
 recurrent checkpoints would cost link bytes the paper's design does not spend).
@@ -35,6 +43,8 @@ import numpy as np
 from paas_jax.scheduling.profiles import DecodeProfile, PrefillProfile
 from paas_jax.scheduling.rebalancer import Rebalancer
 from paas_jax.scheduling.router import ClusterView, PrfaasRouter, RequestInfo
+# Pure role/move/drain rules shared with the live broker (stdlib only: no grpc, no jax).
+from paas_jax.serving import pd_roles
 from paas_jax.simulation.calibration import ServiceProfile
 from paas_jax.simulation.events import EventLoop
 from paas_jax.simulation.link import Link
@@ -70,6 +80,10 @@ class SimConfig:
     egress_bin_s: bin width of the egress time series.
     rebalancer: optional long-timescale re-solver of t (see ``rebalance_interval_s``).
     rebalance_interval_s: how often the rebalancer runs on the lengths seen since last time.
+    rebalance_split: let the rebalancer also move PD nodes between PD-P and PD-D
+      (N_p in 1..n_local-1, with drains). Off: the split stays as deployed (only t moves).
+    rebalance_service_times: when a proposal applies, also push the plan's per-request
+      prefill times (n / Theta) into the router's queue-wait estimates.
     max_events: safety valve against runaway simulations.
   """
 
@@ -81,11 +95,17 @@ class SimConfig:
   egress_bin_s: float = 1.0
   rebalancer: Rebalancer | None = None
   rebalance_interval_s: float = 300.0
+  rebalance_split: bool = False
+  rebalance_service_times: bool = False
   max_events: int = 10_000_000
 
   def __post_init__(self):
     if self.utilization_window_s <= 0 or self.egress_bin_s <= 0 or self.rebalance_interval_s <= 0:
       raise ValueError("window, bin and rebalance interval must be > 0")
+    n_local = self.deployment.n_pdp + self.deployment.n_decode
+    if self.rebalance_split and (self.rebalancer is None or self.rebalancer.n_local != n_local
+                                 or n_local < 2):
+      raise ValueError("rebalance_split needs a rebalancer whose n_local equals n_pdp + n_decode (>= 2)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +126,8 @@ class RequestRecord:
   finish_s: float
   egress_bytes: float  # bytes this request put on the PrfaaS -> PD link
   ingress_bytes: float  # bytes on the PD -> PrfaaS link (cross-cluster prefix)
+  prefill_node: int = -1  # PD node that prefilled it (route "pdp"); -1 for PrfaaS
+  decode_node: int = -1  # PD node that decoded it
 
   @property
   def ttft_s(self) -> float:
@@ -114,6 +136,18 @@ class RequestRecord:
   @property
   def tpot_s(self) -> float:
     return (self.finish_s - self.decode_start_s) / (self.output_tokens - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleMoveRecord:
+  """One PD node's move between roles; ``end_s``/``drain_s`` are nan if it never completed."""
+
+  start_s: float
+  node: int
+  from_role: str
+  to_role: str
+  end_s: float
+  drain_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +160,8 @@ class SimResult:
   threshold_history: tuple[tuple[float, float], ...]  # (time s, threshold tokens)
   events: int
   unfinished: int
+  role_moves: tuple[RoleMoveRecord, ...] = ()
+  split_history: tuple[tuple[float, int, int], ...] = ()  # (time s, N_p, N_d) of settled roles
 
 
 class _PrefillCluster:
@@ -178,7 +214,15 @@ class Simulator:
         "prfaas": _PrefillCluster("prfaas", svc.prfaas_prefill, dep.n_prfaas, mk_cache()),
         "pdp": _PrefillCluster("pdp", svc.pdp_prefill, dep.n_pdp, mk_cache()),
     }
-    self.decoders = [_DecodeInstance(i, svc.decode) for i in range(dep.n_decode)]
+    # PD nodes: PD-D first (so decode tie-breaks by index are as before), then PD-P. Every
+    # node has a decode batch object; only nodes serving decode admit into it.
+    self.roles = (tuple(pd_roles.NodeRole(pd_roles.PDD_ROLE) for _ in range(dep.n_decode))
+                  + tuple(pd_roles.NodeRole(pd_roles.PDP_ROLE) for _ in range(dep.n_pdp)))
+    self.decoders = [_DecodeInstance(i, svc.decode) for i in range(len(self.roles))]
+    self._pdp_running: dict[int, int] = {}  # PD-P node -> request it is prefilling
+    self._moves: list[dict] = []
+    self._refresh_roles()
+    self._split_history = [(0.0, dep.n_pdp, dep.n_decode)]
     self.decode_queue: collections.deque = collections.deque()
     self.router = config.router
     self._state: dict[int, dict] = {}
@@ -205,7 +249,52 @@ class Simulator:
         link_bytes_requested=self.egress.bytes_requested + self.ingress.bytes_requested,
         link_bytes_delivered=self.egress.bytes_delivered + self.ingress.bytes_delivered,
         threshold_history=tuple(self._threshold_history), events=self.loop.events_processed,
-        unfinished=len(requests) - len(self._records))
+        unfinished=len(requests) - len(self._records),
+        role_moves=tuple(RoleMoveRecord(m["start"], m["node"], m["from"], m["to"], m["end"],
+                                        m["end"] - m["start"]) for m in self._moves),
+        split_history=tuple(self._split_history))
+
+  # --- PD node roles ----------------------------------------------------------------------
+  def _refresh_roles(self) -> None:
+    """Caches which nodes take new prefill/decode work now (``NodeRole.serving``)."""
+    self._prefill_nodes = pd_roles.eligible(self.roles, pd_roles.PREFILL)
+    self._decode_ok = [pd_roles.DECODE in n.serving for n in self.roles]
+    self.clusters["pdp"].n = len(self._prefill_nodes)
+
+  def _draining(self) -> bool:
+    return any(n.draining for n in self.roles)
+
+  def _settle(self) -> None:
+    """Completes the moves whose dropped work (running prefill / decode batch) is done."""
+    inflight = {}
+    for i in range(len(self.roles)):
+      inflight[(i, pd_roles.PREFILL)] = int(i in self._pdp_running)
+      inflight[(i, pd_roles.DECODE)] = len(self.decoders[i].members)
+    self.roles, done = pd_roles.settle(self.roles, inflight)
+    if not done:
+      return
+    now = self.loop.now
+    for i in done:
+      for m in self._moves:
+        if m["node"] == i and m["end"] != m["end"]:  # nan: the open move of this node
+          m["end"] = now
+    self._refresh_roles()
+    n_p = sum(1 for n in self.roles if n.role == pd_roles.PDP_ROLE)
+    self._split_history.append((now, n_p, len(self.roles) - n_p))
+    self._try_start_prefill(self.clusters["pdp"])
+    self._admit()
+
+  def _move_to_split(self, n_p: int) -> None:
+    """Starts the fewest, least-loaded moves that reach ``n_p`` PD-P nodes (live broker rule)."""
+    load = {i: float(i in self._pdp_running) + len(self.decoders[i].members)
+            for i in range(len(self.roles))}
+    target = pd_roles.plan_split([n.final for n in self.roles], n_p, load)
+    self.roles, moves = pd_roles.begin_moves(self.roles, target)
+    for mv in moves:
+      self._moves.append({"start": self.loop.now, "node": mv.node, "from": mv.from_role,
+                          "to": mv.to_role, "end": float("nan")})
+    self._refresh_roles()
+    self._settle()  # idle nodes switch at once (drain 0 s)
 
   # --- arrival and routing -------------------------------------------------------------
   def _view(self, now: float) -> ClusterView:
@@ -252,12 +341,20 @@ class Simulator:
 
   def _try_start_prefill(self, cl: _PrefillCluster) -> None:
     while cl.busy < cl.n and cl.queue:
+      node = -1
+      if cl.name == "pdp":
+        # Lowest-index PD-P node that takes new prefills and is idle.
+        node = next((i for i in self._prefill_nodes if i not in self._pdp_running), -1)
+        if node < 0:
+          break
       rid = cl.queue.popleft()
       st = self._state[rid]
       req, dec = st["req"], st["decision"]
       cl.busy += 1
+      if node >= 0:
+        self._pdp_running[node] = rid
       now = self.loop.now
-      st["prefill_start"] = now
+      st["prefill_start"], st["prefill_node"] = now, node
       dur = float(cl.profile.prefill_time(req.input_tokens, dec.prefix_tokens))
       self.loop.schedule(now + dur, self._on_prefill_done, cl.name, rid)
 
@@ -267,6 +364,10 @@ class Simulator:
     now = self.loop.now
     st = self._state[rid]
     st["prefill_end"] = now
+    if st["prefill_node"] >= 0:
+      del self._pdp_running[st["prefill_node"]]
+      if self.roles[st["prefill_node"]].draining:
+        self._settle()
     req = st["req"]
     cl.cache.insert(st["layout"])
     overhead = self.cfg.service.overhead_s(name)
@@ -297,7 +398,7 @@ class Simulator:
     bs = self.cfg.service.decode.max_batch_size
     touched = set()
     while self.decode_queue:
-      free = [d for d in self.decoders if len(d.members) < bs]
+      free = [d for d in self.decoders if self._decode_ok[d.idx] and len(d.members) < bs]
       if not free:
         break
       inst = min(free, key=lambda d: (len(d.members), d.idx))
@@ -306,7 +407,7 @@ class Simulator:
       req = st["req"]
       inst.advance(now)
       inst.members[rid] = [float(req.output_tokens - 1), float(req.input_tokens + 1)]
-      st["decode_start"] = now
+      st["decode_start"], st["decode_node"] = now, inst.idx
       touched.add(inst.idx)
     for idx in sorted(touched):
       self._reschedule_decode(self.decoders[idx])
@@ -332,6 +433,8 @@ class Simulator:
       del inst.members[rid]
       self._finish(rid, now)
     self._reschedule_decode(inst)
+    if done and not inst.members and self.roles[idx].draining:
+      self._settle()
     if done:
       self._admit()
 
@@ -343,23 +446,44 @@ class Simulator:
         output_tokens=req.output_tokens, route=dec.route, prefix_source=dec.prefix_source,
         cached_tokens=dec.prefix_tokens, reason=dec.reason, prefill_start_s=st["prefill_start"],
         prefill_end_s=st["prefill_end"], decode_start_s=st["decode_start"], finish_s=now,
-        egress_bytes=st["egress"], ingress_bytes=st["ingress"]))
+        egress_bytes=st["egress"], ingress_bytes=st["ingress"], prefill_node=st["prefill_node"],
+        decode_node=st["decode_node"]))
 
   # --- long timescale ---------------------------------------------------------------------
   def _on_rebalance(self) -> None:
     rb = self.cfg.rebalancer
-    if len(self._recent_lengths) >= rb.min_samples:
-      # Only t is re-solved live: flipping instances between PD-P and PD-D needs drains the
-      # simulator does not model, so the split is pinned to the deployed one.
-      prop = rb.propose(self.router.threshold_tokens, self.cfg.deployment.n_pdp, self._recent_lengths,
-                        n_p_choices=(self.cfg.deployment.n_pdp,),
-                        egress_bandwidth_bps=self.egress.capacity_bps(self.loop.now))
+    # As in the live broker, nothing is re-planned while a move is still draining.
+    if len(self._recent_lengths) >= rb.min_samples and not self._draining():
+      if self.cfg.rebalance_split:
+        # The split the nodes are heading to; N_p = 0 would leave PD-P nothing to run.
+        current_n_p = pd_roles.split(self.roles)[0]
+        choices = tuple(range(1, len(self.roles)))
+      else:
+        # Split pinned to the deployed one: only t is re-solved.
+        current_n_p = self.cfg.deployment.n_pdp
+        choices = (current_n_p,)
+      # With moves, a new split must also beat re-tuning t alone by ``min_move_gain``.
+      propose = rb.propose_split if self.cfg.rebalance_split else rb.propose
+      prop = propose(self.router.threshold_tokens, current_n_p, self._recent_lengths,
+                     n_p_choices=choices, egress_bandwidth_bps=self.egress.capacity_bps(self.loop.now))
       if prop.apply:
-        self.router = self.router.with_threshold(prop.plan.threshold_tokens)
-        self._threshold_history.append((self.loop.now, prop.plan.threshold_tokens))
+        plan = prop.plan
+        service = {}
+        if self.cfg.rebalance_service_times:
+          service = dict(prfaas_service_s=_per_request_s(plan.theta_prfaas_compute, plan.n_prfaas),
+                         pdp_service_s=_per_request_s(plan.theta_pdp, plan.n_p))
+        self.router = self.router.with_threshold(plan.threshold_tokens, **service)
+        self._threshold_history.append((self.loop.now, plan.threshold_tokens))
+        if plan.n_p != current_n_p:
+          self._move_to_split(plan.n_p)
       self._recent_lengths = []
     if self._state or self.loop.pending:
       self.loop.schedule(self.loop.now + self.cfg.rebalance_interval_s, self._on_rebalance)
+
+
+def _per_request_s(theta: float, n: int) -> float | None:
+  """n / Theta = the class's prefill time per request; None (keep the old one) if no traffic."""
+  return n / theta if n > 0 and theta > 0 and np.isfinite(theta) else None
 
 
 def simulate(config: SimConfig, requests: Sequence[SimRequest]) -> SimResult:

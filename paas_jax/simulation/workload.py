@@ -138,15 +138,23 @@ class SimRequest:
 
 @dataclasses.dataclass(frozen=True)
 class WorkloadSpec:
-  """Arrivals over [0, duration_s), lengths, output length, optional prefix hotspots."""
+  """Arrivals over [0, duration_s), lengths, output length, optional prefix hotspots.
+
+  ``lengths_after``/``shift_at_s``: requests arriving at or after ``shift_at_s`` draw their
+  input length from ``lengths_after`` instead (a mid-run shift of the length distribution).
+  """
 
   arrivals: ArrivalProcess
   lengths: TruncatedLogNormal
   output_tokens: int
   duration_s: float
   hotspots: PrefixHotspots | None = None
+  lengths_after: TruncatedLogNormal | None = None
+  shift_at_s: float = math.inf
 
   def __post_init__(self):
+    if self.lengths_after is not None and not 0 <= self.shift_at_s < math.inf:
+      raise ValueError("lengths_after needs a finite shift_at_s >= 0")
     if self.output_tokens < 2:
       raise ValueError("output_tokens must be >= 2 (TPOT needs a second token)")
     if not (self.duration_s > 0 and math.isfinite(self.duration_s)):
@@ -156,7 +164,11 @@ class WorkloadSpec:
 def generate_requests(spec: WorkloadSpec, rng: np.random.Generator) -> tuple[SimRequest, ...]:
   """Draws the whole request trace up front (so every system sees the identical trace)."""
   times = spec.arrivals.times(spec.duration_s, rng)
-  lengths = np.maximum(1, np.round(spec.lengths.sample(rng, times.size))).astype(np.int64)
+  raw = spec.lengths.sample(rng, times.size)
+  if spec.lengths_after is not None:
+    # Drawn only in this mode, so traces without a shift keep their random stream.
+    raw = np.where(times >= spec.shift_at_s, spec.lengths_after.sample(rng, times.size), raw)
+  lengths = np.maximum(1, np.round(raw)).astype(np.int64)
   prefix_ids = np.full(times.size, -1, dtype=np.int64)
   shared = np.zeros(times.size, dtype=np.int64)
   hs = spec.hotspots

@@ -15,4 +15,5 @@ from paas_jax.state.cache import (
     round_up,
     state_bytes,
 )
-from paas_jax.state.prefix_cache import HybridPrefixCache, PrefixCacheStats
+from paas_jax.state.prefix_cache import (HybridPrefixCache, PrefixCacheStats, block_hashes,
+                                         probe_tokens)

@@ -63,6 +63,37 @@ class PrefixCacheStats:
   hit_tokens: int
 
 
+HASH_BYTES = 16  # bytes of one block hash (blake2b digest size)
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, fingerprint: str) -> list[bytes]:
+  """Chained hashes of every complete ``block_size``-token block of ``tokens``.
+
+  Hash i (``HASH_BYTES`` bytes) covers tokens [0, (i+1)*block_size): it chains
+  the previous hash with block i's ids (as int64), seeded by the model config
+  ``fingerprint``, so equal hashes mean an equal prefix of the same model. The
+  one implementation shared by ``HybridPrefixCache`` (its keys) and the broker
+  (``StatsRequest.prefix_probe_hashes``, sent instead of the prompt's ids).
+  """
+  if block_size <= 0:
+    raise ValueError(f"block_size must be > 0, got {block_size}")
+  arr = np.asarray(tokens, np.int64)
+  digest = hashlib.blake2b(fingerprint.encode(), digest_size=HASH_BYTES).digest()
+  out = []
+  for start in range(0, len(arr) - block_size + 1, block_size):
+    block = arr[start:start + block_size].tobytes()
+    digest = hashlib.blake2b(digest + block, digest_size=HASH_BYTES).digest()
+    out.append(digest)
+  return out
+
+
+def probe_tokens(prompt: Sequence[int]) -> list[int]:
+  """The part of a prompt a prefix lookup may match: all but its last token
+  (the prefill must compute at least one token to get logits)."""
+  prompt = list(prompt)
+  return prompt[:max(len(prompt) - 1, 0)]
+
+
 class HybridPrefixCache:
   """Prefix reuse for hybrid models (one instance per serving process)."""
 
@@ -80,19 +111,13 @@ class HybridPrefixCache:
     self._nbytes = 0
     self._hits = self._misses = self._hit_tokens = 0
     self._growing = tuple(k in ("A", "M") for k in config.layer_kinds)
+    self._fingerprint = config.fingerprint()
 
   # -- keys ------------------------------------------------------------------------
 
   def block_hashes(self, tokens: Sequence[int]) -> list[bytes]:
-    """Chained hashes of every complete block of ``tokens``."""
-    arr = np.asarray(tokens, np.int64)
-    digest = hashlib.blake2b(self.config.fingerprint().encode(), digest_size=16).digest()
-    out = []
-    for start in range(0, len(arr) - self.block_size + 1, self.block_size):
-      block = arr[start:start + self.block_size].tobytes()
-      digest = hashlib.blake2b(digest + block, digest_size=16).digest()
-      out.append(digest)
-    return out
+    """Chained hashes of every complete block of ``tokens`` (``block_hashes``)."""
+    return block_hashes(tokens, self.block_size, self._fingerprint)
 
   # -- queries -----------------------------------------------------------------------
 
@@ -102,7 +127,17 @@ class HybridPrefixCache:
     At most ``len(tokens) - 1`` tokens are matched, so the caller always has at
     least one token left to prefill and gets logits for it.
     """
-    hashes = self.block_hashes(list(tokens)[:max(len(tokens) - 1, 0)])
+    return self.match_length_hashes(self.block_hashes(probe_tokens(tokens)))
+
+  def match_length_hashes(self, hashes: Sequence[bytes]) -> int:
+    """``match_length`` from the chained hashes of the prompt's blocks.
+
+    ``hashes``: ``block_hashes(probe_tokens(prompt), block_size, fingerprint)``,
+    i.e. of the complete blocks of all but the last token, so the answer keeps
+    ``match_length``'s at-most-``len - 1`` rule. Returns tokens (a multiple of
+    ``block_size``): the longest run of cached blocks from the start that ends
+    at a checkpoint. No side effects (a probe is not a use).
+    """
     best = 0
     for i, h in enumerate(hashes):
       if h not in self._blocks:

@@ -17,6 +17,7 @@ Decode side::
   received = receiver.ready.get()                     # ReceivedState, .state restored
 """
 
+from paas_jax.transport.counters import LinkCounters, LinkTransfer
 from paas_jax.transport.errors import TransferError
 from paas_jax.transport.flow import ByteBoundedQueue
 from paas_jax.transport.receiver import (ReceivedState, ReceiverOptions, ReceiverServer,
@@ -25,7 +26,8 @@ from paas_jax.transport.sender import (SenderOptions, StateSender, Transfer, Tra
 from paas_jax.transport.timeline import (LayerTiming, ReceiveTimeline, TransferTimeline)
 
 __all__ = [
-    "ByteBoundedQueue", "LayerTiming", "ReceiveTimeline", "ReceivedState", "ReceiverOptions",
+    "ByteBoundedQueue", "LayerTiming", "LinkCounters", "LinkTransfer", "ReceiveTimeline",
+    "ReceivedState", "ReceiverOptions",
     "ReceiverServer", "SenderOptions", "StateReceiver", "StateSender", "Transfer",
     "TransferError", "TransferInfo", "TransferResult", "TransferTimeline", "serve_receiver",
 ]

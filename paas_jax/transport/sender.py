@@ -37,6 +37,7 @@ from paas_jax.codec.manifest import GLOBAL_LAYER_INDEX, ChunkEntry, LayerEntry, 
 from paas_jax.codec.options import CodecOptions
 from paas_jax.proto import transport_pb2, transport_pb2_grpc
 from paas_jax.transport import channels
+from paas_jax.transport.counters import LinkCounters
 from paas_jax.transport.errors import TransferError
 from paas_jax.transport.flow import ByteBoundedQueue, QueueAborted
 from paas_jax.transport.timeline import TimelineRecorder, TransferTimeline
@@ -129,6 +130,9 @@ class Transfer:
     self._layers_in: queue.Queue = queue.Queue(maxsize=self._options.max_pending_layers)
     self._frames = ByteBoundedQueue(self._options.max_inflight_bytes)
     self._calls: list[grpc.Future] = []
+    # This transfer's share of the link gauges of the sender's owner
+    # (``StateSender.counters``): pending and sent bytes as they happen.
+    self._link = sender.counters.begin(transfer_id, num_layers)
     self._open_streams(self._frames, resend=False)
     self._encoder = threading.Thread(target=self._encode_loop, daemon=True,
                                      name=f"state-tx-encode-{transfer_id[:8]}")
@@ -215,6 +219,7 @@ class Transfer:
       self.abort("interrupted")
       raise
     self._done = True
+    self._link.end()
     self._recorder.finished("ok", ready)
     return TransferResult(self.transfer_id, manifest, self._recorder.snapshot())
 
@@ -269,6 +274,8 @@ class Transfer:
     err = err or TransferError(Code.CANCELLED, "aborted", self.transfer_id)
     first = self._set_error(err)
     self._frames.abort()
+    if not self._done:
+      self._link.end()  # its unsent bytes will never cross the link
     for call in list(self._calls):
       call.cancel()
     # Unblocks the encoder if it waits for input.
@@ -336,6 +343,10 @@ class Transfer:
     for array, chunk in entry.chunks():
       self._chunks[chunk.key] = (entry.index, chunk, group.blobs[chunk.key])
     self._recorder.layer_encoded(entry.index, entry.nbytes, sum(1 for _ in entry.chunks()))
+    # The whole layer is pending from here, also the part still waiting for
+    # room in the flow-control queue: it is committed to the link.
+    self._link.queued_bytes(sum(chunk.nbytes for _, chunk in entry.chunks()),
+                            layer_done=entry.index >= 0)
     descriptor = transport_pb2.Frame(layer=transport_pb2.LayerDescriptor(
         transfer_id=self.transfer_id, layer_index=entry.index, layer_json=entry.to_json()))
     self._frames.put((descriptor, entry.index, 0, False), 0)
@@ -362,6 +373,10 @@ class Transfer:
       self._recorder.frame_sent(layer, nbytes, is_chunk, resend)
       sent += 1
       yield frame
+      # gRPC asks for the next frame only once this one's write completed, so
+      # from here its bytes count as sent (not when it was merely dequeued).
+      if nbytes:
+        self._link.sent_bytes(nbytes)
     yield transport_pb2.Frame(end=transport_pb2.StreamEnd(frames=sent))
 
   def _open_streams(self, frames: ByteBoundedQueue, *, resend: bool, count: int | None = None):
@@ -409,6 +424,7 @@ class Transfer:
     self._open_streams(frames, resend=True, count=min(len(keys), self._options.num_streams))
     for key in sorted(keys):
       layer, chunk, _ = self._chunks[key]
+      self._link.queued_bytes(chunk.nbytes)
       frames.put((self._chunk_frame(key, attempt), layer, chunk.nbytes, True), chunk.nbytes)
     frames.close()
     self._rejected = {}
@@ -452,14 +468,19 @@ class StateSender:
     channels_: pre-built channels (e.g. intercepted or with custom
       credentials) instead of ``target``; streams are spread over them.
     options: parallelism, flow control, deadlines, retries, credentials.
+    counters: the link gauges its transfers report into (shared by the
+      senders of one link, e.g. all of a server's senders to the other
+      region); default a private ``LinkCounters``.
   """
 
   def __init__(self, target: str | None = None, *,
                channels_: Sequence[grpc.Channel] | None = None,
-               options: SenderOptions = SenderOptions()):
+               options: SenderOptions = SenderOptions(),
+               counters: LinkCounters | None = None):
     if (target is None) == (channels_ is None):
       raise ValueError("pass exactly one of target and channels_")
     self.options = options
+    self.counters = counters if counters is not None else LinkCounters()
     self._owns_channels = channels_ is None
     if channels_ is None:
       channels_ = channels.make_channels(target, options.num_connections,

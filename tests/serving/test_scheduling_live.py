@@ -182,6 +182,109 @@ def test_transfer_owned_entries_released(client, region_stubs):
       3 * PREFIX_BLOCK)
 
 
+def test_probe_by_hashes_answers_like_ids_over_grpc(client, region_stubs):
+  """Both regions' GetStats give the same prefix_cached_tokens for the prompt's
+  ids and for the hashes of its blocks; a bad prefix_probe_block is refused
+  with INVALID_ARGUMENT (<= 0) or FAILED_PRECONDITION (not the server's)."""
+  from paas_jax.state import block_hashes, probe_tokens
+  shared = _tokens(2 * PREFIX_BLOCK, 51)
+  for route in ("remote", "local"):
+    out = client.generate(prompt_ids=shared + _tokens(9, 52), max_new_tokens=2, route=route)
+    assert out.route == ("prfaas" if route == "remote" else "pdp")
+  prompts = [shared + _tokens(20, 53), shared[:PREFIX_BLOCK + 1], shared, _tokens(150, 54)]
+  for stub in region_stubs:
+    info = stub.GetStats(serving_pb2.StatsRequest(), timeout=10)
+    block, fp = int(info.gauges["prefix_block"]), json.loads(info.json)["fingerprint"]
+    assert block == PREFIX_BLOCK
+    answers = []
+    for prompt in prompts:
+      by_ids = stub.GetStats(serving_pb2.StatsRequest(prefix_probe_ids=prompt), timeout=10)
+      hashed = serving_pb2.StatsRequest(
+          prefix_probe_hashes=block_hashes(probe_tokens(prompt), block, fp),
+          prefix_probe_block=block)
+      by_hashes = stub.GetStats(hashed, timeout=10)
+      answers.append(by_ids.gauges["prefix_cached_tokens"])
+      assert by_hashes.gauges["prefix_cached_tokens"] == answers[-1]
+    assert answers == [2 * PREFIX_BLOCK, PREFIX_BLOCK, PREFIX_BLOCK, 0]
+    hashes = block_hashes(probe_tokens(prompts[0]), block, fp)
+    for bad, code, msg in ((0, grpc.StatusCode.INVALID_ARGUMENT, "must be > 0"),
+                           (-64, grpc.StatusCode.INVALID_ARGUMENT, "must be > 0"),
+                           (block // 2, grpc.StatusCode.FAILED_PRECONDITION,
+                            f"uses {block}-token blocks")):
+      with pytest.raises(grpc.RpcError) as err:
+        stub.GetStats(serving_pb2.StatsRequest(prefix_probe_hashes=hashes,
+                                               prefix_probe_block=bad), timeout=10)
+      assert err.value.code() == code and msg in err.value.details()
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
+  import time
+  end = time.monotonic() + timeout_s
+  while time.monotonic() < end:
+    if predicate():
+      return True
+    time.sleep(0.05)
+  return predicate()
+
+
+def test_link_gauges_match_the_brokers_link_bytes(adaptive, region_stubs, reference):
+  """Region A's link gauges after a run: nothing pending, and the bytes sent
+  equal the broker's link_bytes of its PrfaaS requests plus its A->B prefix
+  transfers; the broker's live view measures the link from them."""
+  client, holder, server = adaptive
+  prefill_stub, decode_stub = region_stubs
+  before = _stats(prefill_stub)
+  for key in ("link_bytes_pending", "link_bytes_sent_total", "link_transfers_active",
+              "link_bytes_queued_total", "link_transfers_total"):
+    assert key in before, key
+  b_before = _stats(decode_stub)
+  assert "link_bytes_sent_total" in b_before  # region B's prefix exports (B->A)
+  ids = []
+  holder["view"] = SCARCE
+  for i, length in enumerate((180, 260, 330)):
+    rid = f"link-gauges-{i}"
+    out = client.generate(prompt_ids=_tokens(length, 60 + i), max_new_tokens=3, route="remote",
+                          request_id=rid)
+    assert out.route == "prfaas"
+    ids.append(rid)
+  # A prefix only region A holds, shipped A->B for a request PD-P prefills.
+  shared = _tokens(2 * PREFIX_BLOCK, 65)
+  out = client.generate(prompt_ids=shared + _tokens(20, 66), max_new_tokens=2, route="remote",
+                        request_id="link-gauges-warm")
+  ids.append("link-gauges-warm")
+  holder["view"] = ABUNDANT
+  prompt = shared + _tokens(30, 67)
+  out = client.generate(prompt_ids=prompt, max_new_tokens=4, request_id="link-gauges-ship")
+  assert out.tokens == reference(tuple(prompt), 4)
+  ids.append("link-gauges-ship")
+  holder["view"] = SCARCE
+
+  def records():
+    s = json.loads(server.servicer.GetStats(serving_pb2.StatsRequest(), None).json)
+    return {r["request_id"]: r for r in s["recent"] if r["request_id"] in ids}
+  # link_bytes lands when the broker reads TransferDone, which may trail the tokens.
+  assert _wait_for(lambda: all(r["link_bytes"] > 0 for r in records().values()
+                               if r["route"] == "prfaas") and len(records()) == len(ids))
+  recs = records()
+  assert recs["link-gauges-ship"]["prefix_transfer"] == "prfaas->pdp", recs["link-gauges-ship"]
+  expected = (sum(r["link_bytes"] for r in recs.values() if r["route"] == "prfaas")
+              + sum(r["prefix_transfer_bytes"] for r in recs.values()
+                    if r["prefix_transfer"].startswith("prfaas->")))
+  after = _stats(prefill_stub)
+  assert after["link_bytes_pending"] == 0 and after["link_transfers_active"] == 0
+  assert after["link_bytes_sent_total"] - before["link_bytes_sent_total"] == expected
+  assert after["link_transfers_total"] - before["link_transfers_total"] == len(ids)
+  # The broker's live view reads them: measured utilization, backlog 0.
+  live = server.servicer.live
+  assert _wait_for(lambda: live.snapshot()["link_measured"])
+  assert _wait_for(lambda: live.backlog_bytes() == 0)
+  assert live.snapshot()["probe_requests"] > 0
+  # The polls taught it both regions' blocks: its probes carry hashes, not ids.
+  probes = live.probe_requests_for(prompt)
+  assert {side for side, _, _ in probes} == {"pdp", "prfaas"}
+  assert all(r.prefix_probe_hashes and not r.prefix_probe_ids for _, _, r in probes)
+
+
 def test_broker_stats_report_router_and_rebalance(adaptive):
   _, _, server = adaptive
   info = json.loads(server.servicer.GetStats(serving_pb2.StatsRequest(), None).json)["router"]
@@ -233,3 +336,236 @@ def test_rebalance_step_resolves_t_from_measurements():
   assert p["proposed_split"] == {"n_prfaas": 1, "n_p": 1, "n_d": 1}
   assert p["proposed_lambda_max"] >= p["current_lambda_max"] > 0
   assert "prfaas_prefill" in p["calibrated"] and "s_kv" in p["calibrated"]
+
+
+def _stats_response(gauges: dict, link_rows: dict | None = None,
+                    **info) -> serving_pb2.StatsResponse:
+  if link_rows is not None:
+    info["link"] = {"label": "A->B", "transfers": link_rows}
+  return serving_pb2.StatsResponse(server="prefill", gauges=gauges, json=json.dumps(info))
+
+
+def _link(pending: float, sent_total: float, **extra) -> dict:
+  return {"queue": 0.0, "link_bytes_pending": pending, "link_bytes_sent_total": sent_total,
+          "link_transfers_active": 0.0, **extra}
+
+
+def test_live_backlog_from_server_gauges_counts_nothing_twice():
+  """Backlog = the servers' measured pending + estimates only for transfers
+  they do not list yet (a fake sequence of GetStats answers)."""
+  clock = _Clock()
+  live = LiveClusterState([None], [None], link_bandwidth_bps=8e6, window_s=2.0, clock=clock)
+  live.transfer_finished("old1", prompt_tokens=100, nbytes=1e6, duration_s=1.0)
+  live.transfer_finished("old2", prompt_tokens=300, nbytes=2e6, duration_s=1.0)
+  live.transfer_started("r1", 200)  # estimate 1.5e6 (c + k*l)
+  est = live.estimate_bytes(200)
+  assert est == pytest.approx(1.5e6)
+  assert live.backlog_bytes() == pytest.approx(est)  # no gauges yet: estimate only
+  # r1 waits for its prefill batch: the server does not list it; another
+  # sender's transfer ("x") has 1e5 bytes pending on the link.
+  live.ingest("prefill", 0, _stats_response(_link(1e5, 0), {"x": {
+      "pending": 1e5, "sent": 0, "encoded": True}}))
+  assert live.backlog_bytes() == pytest.approx(1e5 + est)
+  # r1 streams layer by layer: measured pending + what the estimate says is left.
+  live.ingest("prefill", 0, _stats_response(_link(3e5, 4e5), {"r1": {
+      "pending": 3e5, "sent": 4e5, "encoded": False}}))
+  assert live.backlog_bytes() == pytest.approx(3e5 + (est - 4e5 - 3e5))
+  # Every layer encoded: only the measurement is left.
+  live.ingest("prefill", 0, _stats_response(_link(2e5, 1.3e6), {"r1": {
+      "pending": 2e5, "sent": 1.3e6, "encoded": True}}))
+  assert live.backlog_bytes() == pytest.approx(2e5)
+  # Committed at the server before the broker read TransferDone: nothing left,
+  # and the estimate does not come back.
+  live.ingest("prefill", 0, _stats_response(_link(0, 1.5e6), {}))
+  assert live.backlog_bytes() == 0
+  live.transfer_finished("r1", prompt_tokens=200, nbytes=1.5e6, duration_s=1.0)
+  assert live.backlog_bytes() == 0
+  # Region B's prefix exports (B->A) are ingress, never the router's backlog.
+  live.ingest("decode", 0, serving_pb2.StatsResponse(
+      server="decode", gauges={"pdp_queue": 2.0, "link_bytes_pending": 7e4,
+                               "link_bytes_sent_total": 9e4}))
+  assert live.backlog_bytes() == 0 and live.ingress_pending_bytes() == 7e4
+  assert live.view().pdp_queue_depth == 2
+  # An older prefill server (no link gauges): back to the estimates.
+  live.transfer_started("r2", 200)
+  live.ingest("prefill", 0, _stats_response({"queue": 1.0}))
+  assert live.backlog_bytes() == pytest.approx(est)
+
+
+def test_live_utilization_is_the_rate_of_sent_bytes():
+  """Utilization = rate of link_bytes_sent_total over the window, from polls;
+  TransferDone records only when the servers report no link gauges."""
+  clock = _Clock()
+  live = LiveClusterState([None, None], [], link_bandwidth_bps=8e6, window_s=2.0,
+                          clock=clock)  # 8 Mbit/s = 1e6 B/s
+  # A TransferDone of 2 MB: ignored while the gauges measure the link.
+  live.transfer_finished("a", prompt_tokens=100, nbytes=2e6, duration_s=0.5)
+  for t, (s0, s1) in ((99.0, (0, 0)), (100.0, (2e5, 0)), (101.0, (6e5, 2e5)),
+                      (102.0, (9e5, 4e5))):
+    clock.t = t
+    live.ingest("prefill", 0, _stats_response(_link(0, s0)))
+    live.ingest("prefill", 1, _stats_response(_link(0, s1)))
+  # Window [100, 102]: (9e5 - 2e5) + (4e5 - 0) bytes in 2 s = 0.55e6 B/s.
+  assert live.measured_link_rate() == pytest.approx(0.55e6)
+  assert live.view().link_utilization == pytest.approx(0.55)
+  clock.t = 102.5  # between polls: the window ends at the latest poll
+  live.ingest("prefill", 0, _stats_response(_link(0, 1.0e6)))
+  # Server 0: window [100.5, 102.5]; the counter at 100.5 is interpolated (4e5).
+  assert live.measured_link_rate() == pytest.approx((1.0e6 - 4e5) / 2.0 + 4e5 / 2.0)
+  clock.t = 110.0  # no poll for longer than the window: nothing measured as sent
+  assert live.view().link_utilization == 0.0
+  # A restarted server (counter back to 0) starts a new series.
+  live.ingest("prefill", 0, _stats_response(_link(0, 1e3)))
+  clock.t = 111.0
+  live.ingest("prefill", 0, _stats_response(_link(0, 5e5)))
+  assert live.measured_link_rate() == pytest.approx(4.99e5)
+  # An older server without link gauges: TransferDone accounting again.
+  live.ingest("prefill", 1, _stats_response({"queue": 0.0}))
+  assert live.measured_link_rate() is None
+  live.transfer_finished("b", prompt_tokens=100, nbytes=1e6, duration_s=1.0)
+  assert live.view().link_utilization == pytest.approx(0.5)
+  assert live.snapshot()["link_measured"] is False
+
+
+class _FakeFuture:
+  def __init__(self, fn):
+    try:
+      self._value, self._error = fn(), None
+    except grpc.RpcError as e:
+      self._value, self._error = None, e
+
+  def result(self):
+    if self._error is not None:
+      raise self._error
+    return self._value
+
+
+class _FakeRpcError(grpc.RpcError):
+  def __init__(self, code, details):
+    super().__init__(details)
+    self._code, self._details = code, details
+
+  def code(self):
+    return self._code
+
+  def details(self):
+    return self._details
+
+
+class _FakeContext:
+  def abort(self, code, details):
+    raise _FakeRpcError(code, details)
+
+
+class _CacheStub:
+  """A server's GetStats over an in-process HybridPrefixCache (no gRPC); keeps
+  the probes it got."""
+
+  def __init__(self, cache):
+    from paas_jax.serving import common
+
+    class _Engine:
+      prefix_cache = cache
+
+      def cached_prefix_tokens(self, prompt):
+        return cache.match_length(prompt)
+
+      def cached_prefix_tokens_hashed(self, hashes):
+        return cache.match_length_hashes(hashes)
+
+    self.requests, engine = [], _Engine()
+
+    def get_stats(req):
+      self.requests.append(req)
+      g = common.probe_gauges(engine, req, _FakeContext())
+      return serving_pb2.StatsResponse(
+          gauges=g, json=json.dumps({"fingerprint": cache.config.fingerprint()}))
+
+    class _Method:
+      @staticmethod
+      def future(req, timeout=None):
+        del timeout
+        return _FakeFuture(lambda: get_stats(req))
+    self.GetStats = _Method()
+
+
+def test_hashed_probes_answer_like_ids_and_fall_back():
+  """The broker probes by ids until a poll taught it a server's block and
+  fingerprint, then by hashes (same answers); a server whose block changed
+  answers FAILED_PRECONDITION and gets ids again until the next poll."""
+  import dataclasses
+
+  import jax.numpy as jnp
+
+  from paas_jax.models import load_config
+  from paas_jax.state import HybridPrefixCache, init_state
+
+  config = load_config(CONFIG)
+  caches = [HybridPrefixCache(config, block_size=PREFIX_BLOCK),
+            HybridPrefixCache(config, block_size=PREFIX_BLOCK // 2)]
+  shared = _tokens(3 * PREFIX_BLOCK, 41)
+  for cache, n in ((caches[0], 2 * PREFIX_BLOCK), (caches[1], 3 * PREFIX_BLOCK)):
+    state = dataclasses.replace(init_state(config, 1, n),
+                                lengths=jnp.full((1,), n, jnp.int32))
+    cache.insert(shared[:n], state)
+  pd, pf = _CacheStub(caches[0]), _CacheStub(caches[1])
+  live = LiveClusterState([pf], [pd], link_bandwidth_bps=1e9)
+  prompts = [shared + _tokens(9, 42), shared[:PREFIX_BLOCK + 3], shared[:2 * PREFIX_BLOCK],
+             _tokens(300, 43), shared[:10]]
+  by_ids = [live.probe_prefix(p) for p in prompts]
+  assert by_ids[0] == (2 * PREFIX_BLOCK, 3 * PREFIX_BLOCK)
+  assert all(r.prefix_probe_ids and not r.prefix_probe_hashes
+             for r in pd.requests + pf.requests)
+  live.poll_once()  # learns prefix_block and fingerprint of both
+  pd.requests.clear(), pf.requests.clear()
+  assert [live.probe_prefix(p) for p in prompts] == by_ids
+  assert all(r.prefix_probe_hashes and not r.prefix_probe_ids
+             for r in pd.requests + pf.requests)
+  assert {r.prefix_probe_block for r in pd.requests} == {PREFIX_BLOCK}
+  assert {r.prefix_probe_block for r in pf.requests} == {PREFIX_BLOCK // 2}
+  # shared[:10] has no complete block before its last token: no probe at all.
+  assert len(pd.requests) == 4 and len(pf.requests) == 4
+  # Region A restarts with another block size: the old hashes are refused...
+  live._probe_info[("prfaas", 0)] = (PREFIX_BLOCK, config.fingerprint())
+  pf.requests.clear()
+  assert live.probe_prefix(prompts[0]) == (2 * PREFIX_BLOCK, 0)
+  assert pf.requests[-1].prefix_probe_block == PREFIX_BLOCK
+  # ... and forgotten: ids until the next poll.
+  assert live.probe_prefix(prompts[0]) == by_ids[0]
+  assert pf.requests[-1].prefix_probe_ids
+  # A server without a prefix cache is never probed.
+  live.ingest("prefill", 0, serving_pb2.StatsResponse(gauges={"prefix_cache_enabled": 0.0}))
+  pf.requests.clear()
+  assert live.probe_prefix(prompts[0]) == (2 * PREFIX_BLOCK, 0) and not pf.requests
+
+
+def test_hashed_probe_is_much_smaller_than_ids():
+  """The serialized probe of a 4096-token prompt with 64-token blocks: 63
+  hashes of 16 bytes instead of 4096 varint ids (a property of the encoding)."""
+  from paas_jax.serving.common import ProbeError, prefix_cache_gauges
+  live = LiveClusterState([None], [], link_bandwidth_bps=1e9)
+  rng = np.random.default_rng(5)
+  prompt = [int(t) for t in rng.integers(0, 151_936, 4096)]  # a Qwen-sized vocabulary
+  ids = serving_pb2.StatsRequest(prefix_probe_ids=prompt)
+  live.ingest("prefill", 0, serving_pb2.StatsResponse(
+      gauges={"prefix_cache_enabled": 1.0, "prefix_block": 64.0},
+      json=json.dumps({"fingerprint": "f" * 16})))
+  # An older server (no prefix_probe_hashes gauge) is probed by ids.
+  assert live.probe_requests_for(prompt) == [("prfaas", 0, ids)]
+  live.ingest("prefill", 0, serving_pb2.StatsResponse(
+      gauges={"prefix_cache_enabled": 1.0, "prefix_block": 64.0, "prefix_probe_hashes": 1.0},
+      json=json.dumps({"fingerprint": "f" * 16})))
+  [(_, _, hashed)] = live.probe_requests_for(prompt)
+  assert len(hashed.prefix_probe_hashes) == 4095 // 64 == 63
+  # field 2: 63 x (tag + length + 16 bytes); field 3: tag + varint(64).
+  assert hashed.ByteSize() == 63 * 18 + 2
+  assert ids.ByteSize() > 4 * 4096 * 0.7  # 3-byte varints plus the packed header
+  assert hashed.ByteSize() / ids.ByteSize() < 0.1
+  # Malformed probes are refused before any cache work (no engine needed).
+  for kw, msg in (({"probe_hashes": [b"x" * 16], "probe_block": 0}, "must be > 0"),
+                  ({"probe_hashes": [b"x" * 8], "probe_block": 64}, "not 16"),
+                  ({"probe_ids": [1, 2], "probe_hashes": [b"x" * 16], "probe_block": 64},
+                   "not both")):
+    with pytest.raises(ProbeError, match=msg) as info:
+      prefix_cache_gauges(None, **kw)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT

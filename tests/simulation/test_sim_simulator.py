@@ -90,8 +90,10 @@ def test_every_request_completes_exactly_once(case_systems):
   spec, _ = sc.scenario("gamma_bursty", case, rate=2.5, duration_s=150.0)
   reqs = generate_requests(spec, np.random.default_rng(11))
   assert len(reqs) > 200
-  for name in ("prfaas_pd", "homogeneous", "naive"):
-    res = simulate(planned.configs[name], reqs)
+  moving = sc.length_shift_systems(case, planned.configs["prfaas_pd"], interval_s=30.0,
+                                   min_samples=100)["prfaas_pd_moves"]
+  for name in ("prfaas_pd", "homogeneous", "naive", "prfaas_pd_moves"):
+    res = simulate(moving if name == "prfaas_pd_moves" else planned.configs[name], reqs)
     assert res.unfinished == 0
     assert [r.request_id for r in res.records] == [r.request_id for r in reqs]
     for r in res.records:

@@ -78,3 +78,43 @@ def test_hashes_depend_on_model_fingerprint():
   b = HybridPrefixCache(load_config("tiny_dense_gqa"), block_size=4)
   assert a.block_hashes([1, 2, 3, 4]) != b.block_hashes([1, 2, 3, 4])
   assert len(a.block_hashes(list(range(11)))) == 2
+
+
+def test_match_by_hashes_equals_match_by_ids_on_shared_prefixes():
+  """``match_length_hashes`` over ``block_hashes(probe_tokens(p))`` (what the
+  broker sends instead of the prompt) answers exactly ``match_length(p)``."""
+  import dataclasses
+
+  import jax.numpy as jnp
+
+  from paas_jax.state import block_hashes, init_state, probe_tokens
+
+  config = load_config("tiny_gdn_gqa")
+  cache = HybridPrefixCache(config, block_size=BLOCK)
+  rng = np.random.RandomState(3)
+  roots = [rng.randint(0, config.vocab_size, size=6 * BLOCK).tolist() for _ in range(3)]
+  # Cached entries: prefixes of the roots at block boundaries (checkpoints) and
+  # off them (KV blocks only); the states are zeros, matching only reads keys.
+  for root in roots:
+    for length in rng.choice(np.arange(1, 5 * BLOCK), size=4, replace=False):
+      state = init_state(config, 1, int(length) + BLOCK)
+      state = dataclasses.replace(state, lengths=jnp.full((1,), int(length), jnp.int32))
+      cache.insert(root[:int(length)], state)
+  fp = config.fingerprint()
+  hits = 0
+  for _ in range(200):
+    root = roots[rng.randint(len(roots))]
+    cut = int(rng.randint(0, len(root) + 1))
+    prompt = root[:cut] + rng.randint(0, config.vocab_size, size=rng.randint(0, 40)).tolist()
+    if rng.rand() < 0.2 and prompt:  # a changed token breaks the chain from there
+      prompt[rng.randint(len(prompt))] ^= 1
+    by_ids = cache.match_length(prompt)
+    by_hashes = cache.match_length_hashes(block_hashes(probe_tokens(prompt), BLOCK, fp))
+    assert by_hashes == by_ids, (cut, len(prompt))
+    assert by_ids <= max(len(prompt) - 1, 0) and by_ids % BLOCK == 0
+    hits += by_ids > 0
+  assert hits > 20  # the prompts did share cached prefixes
+  # One implementation: the cache's keys are the module function's hashes.
+  assert cache.block_hashes(roots[0]) == block_hashes(roots[0], BLOCK, fp)
+  with pytest.raises(ValueError):
+    block_hashes(roots[0], 0, fp)

@@ -206,6 +206,10 @@ def test_corrupted_frame_is_resent(config, state, make_rx):
   assert corrupt.corrupted == 1
   assert result.timeline.resent_chunks == 1
   assert result.timeline.bytes_sent > result.timeline.state_bytes
+  # The link gauges count the resent chunk too, as TransferDone.bytes_sent does.
+  g = sender.counters.gauges()
+  assert g["link_bytes_sent_total"] == result.timeline.bytes_sent
+  assert g["link_bytes_pending"] == 0
   received = rx.receiver.ready.get(timeout=5)
   assert received.timeline.rejected_chunks == 1
   assert_states_match(state, received.state, N)
@@ -489,3 +493,71 @@ def test_secure_credentials_path(config, state):
     assert_states_match(state, receiver.ready.get(timeout=5).state, N)
   finally:
     server.stop(0)
+
+
+class GateFrames(grpc.StreamUnaryClientInterceptor):
+  """Holds every Push stream's frames back until ``gate`` is set (a link that
+  has not started draining), so the sender's pending bytes can be seen."""
+
+  def __init__(self):
+    self.gate = threading.Event()
+
+  def intercept_stream_unary(self, continuation, details, request_iterator):
+    return continuation(details, self._frames(request_iterator))
+
+  def _frames(self, frames):
+    self.gate.wait(30)
+    yield from frames
+
+
+def test_link_counters_track_pending_and_sent_bytes(config, state, make_rx):
+  """``LinkCounters``: encoded layers are pending until gRPC takes them, then
+  sent; after Commit nothing is pending and the bytes counted as sent equal
+  the timeline's ``bytes_sent`` (what TransferDone reports). Two senders share
+  one counters object, as a server's senders of one link do."""
+  rx = make_rx()
+  counters = transport.LinkCounters("A->B")
+  gate = GateFrames()
+  channel = transport.channels.make_channels(rx.target, 1)[0]
+  sender = StateSender(channels_=[grpc.intercept_channel(channel, gate)],
+                       options=SenderOptions(num_streams=2), counters=counters)
+  assert counters.gauges()["link_transfers_active"] == 0
+  with begin(sender, config, codec=codec.CodecOptions(chunk_bytes=2048)) as tx:
+    g = counters.gauges()
+    assert g["link_transfers_active"] == 1 and g["link_bytes_pending"] == 0
+    assert counters.transfers()[tx.transfer_id] == {"pending": 0, "sent": 0, "encoded": False}
+    tx.send_layer(0, state.layers[0])
+    assert wait_for(lambda: counters.pending_bytes > 0)
+    first = counters.pending_bytes
+    for i in range(1, config.n_layers):
+      tx.send_layer(i, state.layers[i])
+    assert wait_for(lambda: counters.transfers()[tx.transfer_id]["encoded"])
+    # Nothing has left yet (the gate holds the streams): all of it is pending.
+    row = counters.transfers()[tx.transfer_id]
+    assert row["sent"] == 0 and row["pending"] == counters.pending_bytes > first
+    assert counters.gauges()["link_bytes_sent_total"] == 0
+    gate.gate.set()
+    result = tx.finish()
+  g = counters.gauges()
+  tl = result.timeline
+  assert g["link_bytes_pending"] == 0 and g["link_transfers_active"] == 0
+  assert g["link_bytes_sent_total"] == tl.bytes_sent == tl.state_bytes > row["pending"]
+  assert g["link_bytes_queued_total"] == tl.bytes_sent and g["link_transfers_total"] == 1
+  assert counters.transfers() == {}
+
+  # A second sender on the same link adds to the totals; an aborted transfer's
+  # unsent bytes stop being pending.
+  other = StateSender(rx.target, counters=counters)
+  result2 = other.send_state(state, model_id=config.name,
+                             config_fingerprint=config.fingerprint())
+  assert counters.gauges()["link_bytes_sent_total"] == tl.bytes_sent + result2.timeline.bytes_sent
+  gate.gate.clear()
+  tx = begin(sender, config)
+  tx.send_layer(0, state.layers[0])
+  assert wait_for(lambda: counters.pending_bytes > 0)
+  tx.abort("test")
+  assert counters.pending_bytes == 0 and counters.gauges()["link_transfers_active"] == 0
+  gate.gate.set()
+  other.close()
+  sender.close()
+  channel.close()

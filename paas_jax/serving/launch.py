@@ -147,6 +147,9 @@ class ClusterSpec:
   pd_prefill_nodes: int = -1
   rebalance_apply: bool = False
   log_format: str = "text"      # "json": structured logs with request ids
+  # The OpenAI-compatible HTTP gateway (paas_jax.frontdoor) beside the broker,
+  # same TLS identity and tokens; its URL is LocalCluster.http_url.
+  http: bool = False
 
 
 def _link_bps(link: LinkSpec | None) -> float:
@@ -287,6 +290,8 @@ class LocalCluster:
       self.procs["broker"] = spawn("broker", broker_args, self.workdir)
       wait_ready([self.procs["broker"]], 120, on_tick)
       self.broker_address = f"127.0.0.1:{self.procs['broker'].info['port']}"
+      if spec.http:
+        self._start_gateway(on_tick)
       self.timings["cluster_ready_s"] = time.monotonic() - t0
       return self
     except BaseException:
@@ -294,7 +299,7 @@ class LocalCluster:
       raise
 
   def stop(self) -> None:
-    for name in ("broker", "relay", "prefill", *self.pd_names):
+    for name in ("gateway", "broker", "relay", "prefill", *self.pd_names):
       proc = self.procs.get(name)
       if proc is not None:
         proc.stop()
@@ -304,6 +309,20 @@ class LocalCluster:
     if self.netns is not None:
       self.netns.down()
       self.netns = None
+
+  def _start_gateway(self, on_tick=None) -> None:
+    args = ["-m", "paas_jax.frontdoor", f"--broker={self.broker_address}", "--port=0",
+            f"--log_level={self.spec.log_level}", *self._common_args("broker")]
+    if self.certs is not None:
+      args.append(f"--api_token_file={self.certs / 'client.token'}")
+    self.procs["gateway"] = spawn("gateway", args, self.workdir)
+    wait_ready([self.procs["gateway"]], 120, on_tick)
+
+  @property
+  def http_url(self) -> str:
+    """Base URL of the OpenAI API (``.../v1``), with ``spec.http``."""
+    scheme = "https" if self.certs is not None else "http"
+    return f"{scheme}://127.0.0.1:{self.procs['gateway'].info['port']}/v1"
 
   # -- security and faults ------------------------------------------------------------
 

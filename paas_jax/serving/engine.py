@@ -396,9 +396,30 @@ class PrefillEngine:
       return 0, None
     return matched, jax.tree_util.tree_map(np.asarray, state)
 
-  def prefill(self, inputs: Sequence[PrefillInput], layer_sink=None) -> list[PrefillOutput]:
+  def prefill(self, inputs: Sequence[PrefillInput], layer_sink=None, *, chunk_sink=None,
+              resume: tuple[int, DecodeState] | None = None) -> list[PrefillOutput]:
+    """Prefills a batch of prompts.
+
+    Args:
+      layer_sink: ``(layer, cache)`` per layer of the last chunk (see the class).
+      chunk_sink: ``(layer, cache, start, n_valid)`` per layer of **every** chunk
+        as soon as it is computed: batched device cache, the chunk's first token
+        ``start`` and int32 [batch] valid tokens per row (``chunk_stream``).
+      resume: ``(n, state)``: continue one prompt from a committed batch-1 state
+        holding its first ``n`` tokens (``n`` a multiple of ``prefill_chunk``, so
+        the chunks are those of an uninterrupted prefill: token-exact).
+    """
     if not inputs:
       return []
+    if chunk_sink is not None or resume is not None:
+      if len(inputs) != 1 and resume is not None:
+        raise ValueError("resume takes one prompt per call")
+      if resume is not None and (resume[0] % self.config.prefill_chunk
+                                 or not 0 <= resume[0] < len(inputs[0].prompt)):
+        raise InvalidRequestError(f"resume point {resume[0]} is not a chunk boundary "
+                                  f"inside the prompt of {len(inputs[0].prompt)} tokens")
+      with self._lock:
+        return self._prefill(list(inputs), layer_sink, chunk_sink, resume)
     if len(inputs) > self.config.prefill_max_batch:
       raise ValueError(f"at most {self.config.prefill_max_batch} prompts per prefill batch")
     for x in inputs:
@@ -457,7 +478,8 @@ class PrefillEngine:
   def _chunk_len(self, size: int) -> int:
     return next(b for b in self.config.prefill_buckets if b >= size)
 
-  def _prefill(self, inputs: list[PrefillInput], layer_sink) -> list[PrefillOutput]:
+  def _prefill(self, inputs: list[PrefillInput], layer_sink, chunk_sink=None,
+               resume=None) -> list[PrefillOutput]:
     t0 = time.perf_counter()
     cfg, model = self.config, self.model
     n = len(inputs)
@@ -469,8 +491,10 @@ class PrefillEngine:
     for i, x in enumerate(inputs):
       tokens[i, :lens[i]] = x.prompt
     state = init_state(model.config, batch, self.capacity)
-    last_rows = np.zeros((n, model.config.vocab_size), np.float32)
     start = 0
+    if resume is not None:
+      start, state = resume[0], _with_row(state, resume[1], resume[0])
+    last_rows = np.zeros((n, model.config.vocab_size), np.float32)
     while start < longest:
       size = min(cfg.prefill_chunk, longest - start)
       seq = self._chunk_len(size)
@@ -482,6 +506,8 @@ class PrefillEngine:
       for layer_idx, cache in lw:
         if final and layer_sink is not None:
           layer_sink(layer_idx, cache)
+        if chunk_sink is not None:
+          chunk_sink(layer_idx, cache, start, n_valid)
       state = lw.state
       ends = lens[:n] - 1 - start
       rows = [i for i in range(n) if 0 <= ends[i] < size]
@@ -530,6 +556,19 @@ def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
   if x.shape[0] >= rows:
     return x
   return np.concatenate([x, np.zeros((rows - x.shape[0],) + x.shape[1:], x.dtype)])
+
+
+def _with_row(state: DecodeState, prefix: DecodeState, length: int) -> DecodeState:
+  """``state`` (batched, device) with row 0 replaced by the batch-1 ``prefix``
+  holding ``length`` tokens (growing caches copied into the first positions)."""
+  def put(dst, src):
+    src = jnp.asarray(src)
+    if dst.ndim >= 2 and src.shape[1:] != dst.shape[1:]:  # a growing cache: first positions
+      src = src[:, :length]
+      return dst.at[0:1, :src.shape[1]].set(src.astype(dst.dtype))
+    return dst.at[0:1].set(src.astype(dst.dtype))
+  layers = tuple(jax.tree_util.tree_map(put, d, p) for d, p in zip(state.layers, prefix.layers))
+  return DecodeState(layers=layers, lengths=state.lengths.at[0].set(length))
 
 
 def _select_row(state: DecodeState, row: int, capacity: int) -> DecodeState:

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from paas_jax.models import api
+from paas_jax.models.logit_error import logit_error
 from paas_jax.serving import common
 from paas_jax.state import init_state, state_bytes
 
@@ -42,26 +42,6 @@ def _layer_dtypes(model) -> dict:
   return {k: sorted(v) for k, v in out.items()}
 
 
-def compare(f32, bf16, prompt: list[int], steps: int) -> dict:
-  logits32, s32 = api.prefill(f32, [prompt])
-  logits16, s16 = api.prefill(bf16, [prompt])
-  rows32, rows16 = [np.asarray(logits32[0])], [np.asarray(logits16[0], np.float32)]
-  token = int(np.argmax(rows32[0][-1]))
-  for _ in range(steps):
-    l32, s32 = api.decode_step(f32, s32, [token])
-    l16, s16 = api.decode_step(bf16, s16, [token])
-    rows32.append(np.asarray(l32)[None, 0])
-    rows16.append(np.asarray(l16, np.float32)[None, 0])
-    token = int(np.argmax(rows32[-1][0]))
-  a, b = np.concatenate(rows32), np.concatenate(rows16)
-  diff = np.abs(a - b)
-  return {"positions": int(a.shape[0]),
-          "max_abs_diff": float(diff.max()),
-          "max_rel_error": float(diff.max() / np.abs(a).max()),
-          "mean_rel_error": float(diff.mean() / np.abs(a).mean()),
-          "top1_agreement": float(np.mean(a.argmax(-1) == b.argmax(-1)))}
-
-
 def main(argv):
   del argv
   common.enable_compilation_cache(common.default_compilation_cache())
@@ -71,7 +51,7 @@ def main(argv):
   prompt = [int(t) for t in rng.integers(0, f32.config.vocab_size, FLAGS.prompt_len)]
   report = {"model": f32.config.name, "prompt_len": FLAGS.prompt_len,
             "decode_steps": FLAGS.decode_steps,
-            **compare(f32, bf16, prompt, FLAGS.decode_steps),
+            **logit_error(f32, bf16, prompt, FLAGS.decode_steps),
             "state_dtypes_bf16": _layer_dtypes(bf16),
             "state_bytes_f32": state_bytes(f32.config, FLAGS.prompt_len).total,
             "state_bytes_bf16": state_bytes(bf16.config, FLAGS.prompt_len).total}

@@ -49,6 +49,19 @@ def generate_token(nbytes: int = 32) -> str:
   return secrets.token_urlsafe(nbytes)
 
 
+def write_token_files(out: str | os.PathLike, name: str = "client") -> str:
+  """Writes a fresh token to ``client.token`` and appends it to ``api_tokens.txt``."""
+  out = pathlib.Path(out)
+  token = generate_token()
+  for path, line, mode in ((out / "api_tokens.txt", f"{name}:{token}\n", "a"),
+                           (out / f"{name}.token", f"{token}\n", "w")):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode == "a" else os.O_TRUNC),
+                 0o600)
+    with os.fdopen(fd, mode) as f:
+      f.write(line)
+  return token
+
+
 def _digest(token: str) -> bytes:
   return hashlib.sha256(token.encode("utf-8")).digest()
 

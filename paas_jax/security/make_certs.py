@@ -12,13 +12,12 @@ existing CA in --out is reused, so certificates issued later still chain to it.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 
 from absl import app, flags
 
 from paas_jax.security import ca as ca_lib
-from paas_jax.security.auth import generate_token
+from paas_jax.security.auth import write_token_files
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output directory.", required=True)
@@ -30,19 +29,6 @@ flags.DEFINE_list("hosts", list(ca_lib.DEFAULT_HOSTS),
 flags.DEFINE_integer("days", 30, "Validity in days.")
 flags.DEFINE_bool("new_ca", False, "Create a new CA even if --out already holds one.")
 flags.DEFINE_bool("token", True, "Also write api_tokens.txt and client.token.")
-
-
-def write_token_files(out: str | os.PathLike, name: str = "client") -> str:
-  """Writes a fresh token to ``client.token`` and appends it to ``api_tokens.txt``."""
-  out = pathlib.Path(out)
-  token = generate_token()
-  for path, line, mode in ((out / "api_tokens.txt", f"{name}:{token}\n", "a"),
-                           (out / f"{name}.token", f"{token}\n", "w")):
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode == "a" else os.O_TRUNC),
-                 0o600)
-    with os.fdopen(fd, mode) as f:
-      f.write(line)
-  return token
 
 
 def main(argv):

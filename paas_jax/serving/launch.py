@@ -343,7 +343,7 @@ class LocalCluster:
     if not self.spec.tls:
       return
     from paas_jax.security import ca as ca_lib  # pylint: disable=g-import-not-at-top
-    from paas_jax.security.make_certs import write_token_files  # pylint: disable=g-import-not-at-top
+    from paas_jax.security.auth import write_token_files  # pylint: disable=g-import-not-at-top
     self.certs = self.workdir / "certs"
     hosts = tuple(dict.fromkeys(ca_lib.DEFAULT_HOSTS + (a_host, b_host)))
     ca_lib.make_certs(self.certs, ("broker", "prefill", "decode", "client"), hosts=hosts,

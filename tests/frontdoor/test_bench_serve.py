@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments import bench_serve as bs
+from experiments import serve_load as bs
 
 
 def _workload(**kw):

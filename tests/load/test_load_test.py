@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -10,22 +9,12 @@ import sys
 
 import pytest
 
+from experiments import load_accounting as lt
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _load_module():
-  if "paas_load_test" in sys.modules:  # its absl flags may be defined once per process
-    return sys.modules["paas_load_test"]
-  spec = importlib.util.spec_from_file_location("paas_load_test", REPO / "experiments" /
-                                                "load_test.py")
-  mod = importlib.util.module_from_spec(spec)
-  sys.modules["paas_load_test"] = mod
-  spec.loader.exec_module(mod)
-  return mod
-
-
 def test_every_request_lands_in_exactly_one_outcome():
-  lt = _load_module()
   O = lt.Outcome
   outcomes = ([O(kind="completed", ttft_s=0.1 * i, total_s=0.2 * i, tokens_ok=True,
                  route="pdp") for i in range(1, 11)]

@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from paas_jax.models.logit_error import logit_error
 from paas_jax.serving import common
 from paas_jax.state import init_state
-
-from experiments import bf16_logit_error
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +39,8 @@ def test_weights_and_state_dtypes(models):
 def test_logit_error_small_but_real(models):
   f32, bf16 = models
   prompt = list(np.random.default_rng(0).integers(0, 256, 48))
-  r = bf16_logit_error.compare(f32, bf16, prompt, 4)
+  r = logit_error(f32, bf16, prompt, 4)
   assert 0 < r["max_rel_error"] < 0.05 and r["top1_agreement"] > 0.8
   # Control: other weights (seed 1) are far off, so the bound can fail.
   other = common.with_dtype(common.load_model("tiny_gdn_gqa", 1)[0], "bfloat16")
-  assert bf16_logit_error.compare(f32, other, prompt, 0)["max_rel_error"] > 0.2
+  assert logit_error(f32, other, prompt, 0)["max_rel_error"] > 0.2

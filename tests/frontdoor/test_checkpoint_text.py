@@ -1,7 +1,10 @@
 """A Hugging Face checkpoint served over the regions with its own tokenizer:
 text goes through the broker as the checkpoint's tokenizer encodes it, the
 served name comes from the checkpoint (not its folder), generation stops at
-generation_config.json's EOS unless the request ignores it."""
+generation_config.json's EOS unless the request ignores it. The deployment
+serves in bf16 (weights and KV bf16, recurrent state f32) and prefills every
+prompt in region A, so the bf16 state crosses the codec and the transport;
+answers are compared with single-process bf16 generation."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ N = 8
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-  """(dir, tokenizer, reference greedy ids of TEXT, eos id, single-process model)."""
+  """(dir, tokenizer, reference greedy ids of TEXT, eos id, single-process bf16 model)."""
   d = tmp_path_factory.mktemp("hf") / "some-local-folder"
   d.mkdir()
   hf_tiny.save_family("qwen3_next", d)
@@ -39,7 +42,8 @@ def ckpt(tmp_path_factory):
   (d / "tokenizer_config.json").write_text(json.dumps(
       {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}))
   common.enable_compilation_cache(common.default_compilation_cache())
-  model, tok = common.load_model("", checkpoint=str(d))
+  f32, tok = common.load_model("", checkpoint=str(d))
+  model = common.with_dtype(f32, "bfloat16")
   ids = tok.encode(TEXT).ids
   ref = api.generate(model, ids, N).tokens
   # EOS: a token the greedy answer reaches after a few steps, not before.
@@ -51,8 +55,9 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(ckpt):
   d = ckpt[0]
-  with LocalCluster(ClusterSpec(checkpoint=str(d), n_slots=2, max_ctx=128,
-                                prefill_buckets=(64,), http=True, threshold=1e9)) as c:
+  # threshold 0: every prompt is prefilled in region A and its state transferred.
+  with LocalCluster(ClusterSpec(checkpoint=str(d), n_slots=2, max_ctx=128, dtype="bfloat16",
+                                prefill_buckets=(64,), http=True, threshold=0)) as c:
     with openai.DefaultHttpxClient(timeout=120) as h:
       yield c, openai.OpenAI(base_url=c.http_url, api_key="none", http_client=h,
                              max_retries=0)
@@ -72,7 +77,10 @@ def test_text_through_the_broker_uses_the_checkpoint_tokenizer(served, ckpt):
   cluster, oai = served
   _, tok, ref, k, _ = ckpt
   assert [m.id for m in oai.models.list().data] == [NAME]
-  out = oai.completions.create(model=NAME, prompt=TEXT, max_tokens=N, temperature=0)
+  raw = oai.completions.with_raw_response.create(model=NAME, prompt=TEXT, max_tokens=N,
+                                                 temperature=0)
+  assert raw.headers["x-paas-route"] == "prfaas" and int(raw.headers["x-paas-link-bytes"]) > 0
+  out = raw.parse()
   assert out.usage.prompt_tokens == len(tok.encode(TEXT).ids)
   ids = out.choices[0].model_extra["token_ids"]
   # Stops at generation_config.json's EOS (included, as transformers does).

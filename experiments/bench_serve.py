@@ -47,8 +47,8 @@ if str(REPO) not in sys.path:
   sys.path.insert(0, str(REPO))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position  (after the path fix above)
-from experiments.serve_load import (PAPER_HI, PAPER_T, make_workload, ratios, run_rate,
-                                    summarize)
+from experiments.serve_load import (PAPER_HI, PAPER_T, make_workload, paas_cluster, ratios,
+                                    run_rate, summarize)
 
 flags.DEFINE_multi_string("target", [], "name=URL of an OpenAI API already running (.../v1).")
 flags.DEFINE_string("model", "", "Model name to send (default: the target's /v1/models).")
@@ -144,19 +144,6 @@ def _stop(proc) -> None:
       os.killpg(proc.pid, signal.SIGKILL)
 
 
-def paas_cluster(checkpoint: str, mode: str, threshold: float, workdir: pathlib.Path):
-  from paas_jax.netem import LinkSpec  # pylint: disable=g-import-not-at-top
-  from paas_jax.netem.link import parse_rate  # pylint: disable=g-import-not-at-top
-  from paas_jax.serving.launch import ClusterSpec, LocalCluster  # pylint: disable=g-import-not-at-top
-  two = mode == "two"
-  spec = ClusterSpec(checkpoint=checkpoint, dtype="bfloat16", n_slots=FLAGS.n_slots,
-                     max_ctx=FLAGS.context, prefill_buckets=(64, 256), http=True,
-                     threshold=threshold if two else float("inf"),
-                     link=(LinkSpec(bandwidth_bps=parse_rate(FLAGS.bandwidth),
-                                    rtt_s=FLAGS.rtt_ms / 1e3) if two else None))
-  return LocalCluster(spec, workdir / f"paas_{mode}").start()
-
-
 # -- report ----------------------------------------------------------------------------
 
 def plot(results: dict, out: pathlib.Path) -> list[str]:
@@ -218,7 +205,9 @@ def main(argv):
     results[tname] = bench_target(tname, url, name, rates, workloads)
   if FLAGS.checkpoint:
     for mode in FLAGS.paas_modes:
-      cluster = paas_cluster(FLAGS.checkpoint, mode, threshold, out)
+      cluster = paas_cluster(FLAGS.checkpoint, mode, threshold, out, n_slots=FLAGS.n_slots,
+                             context=FLAGS.context, bandwidth=FLAGS.bandwidth,
+                             rtt_ms=FLAGS.rtt_ms)
       try:
         results[f"paas-{mode}"] = bench_target(f"paas-{mode}", cluster.http_url, name, rates,
                                                workloads)

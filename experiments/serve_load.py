@@ -11,12 +11,16 @@ import asyncio
 import dataclasses
 import json
 import math
+import pathlib
 import time
 
 import aiohttp
 import numpy as np
 
+from paas_jax.netem import LinkSpec
+from paas_jax.netem.link import parse_rate
 from paas_jax.scheduling import TruncatedLogNormal
+from paas_jax.serving.launch import ClusterSpec, LocalCluster
 
 PAPER_LO, PAPER_HI, PAPER_T = 128.0, 128.0 * 1024, 19.4 * 1024
 
@@ -173,3 +177,20 @@ def ratios(results: dict, peer: str) -> dict:
                       for m in ("ttft", "tpot", "e2e") for q in ("p50", "p90", "p99")}})
     out[f"{name}/{peer}"] = rows
   return out
+
+
+def paas_cluster(checkpoint: str, mode: str, threshold: float, workdir: pathlib.Path, *,
+                 n_slots: int, context: int, bandwidth: str = "1gbit",
+                 rtt_ms: float = 10.0) -> LocalCluster:
+  """Starts paas-jax on an HF checkpoint in bf16 with the OpenAI gateway.
+
+  ``mode``: "single" (everything prefilled in the PD region) or "two" (PrfaaS
+  routing at ``threshold`` tokens over an emulated ``bandwidth``/``rtt_ms`` link).
+  """
+  two = mode == "two"
+  spec = ClusterSpec(checkpoint=checkpoint, dtype="bfloat16", n_slots=n_slots,
+                     max_ctx=context, prefill_buckets=(64, 256), http=True,
+                     threshold=threshold if two else float("inf"),
+                     link=(LinkSpec(bandwidth_bps=parse_rate(bandwidth), rtt_s=rtt_ms / 1e3)
+                           if two else None))
+  return LocalCluster(spec, workdir / f"paas_{mode}").start()

@@ -3,7 +3,8 @@ bearer token) whose prefill server kills itself in the middle of its first
 state transfer (``--faults=kill_after_layers=2``, i.e. ``os._exit(137)``
 like a preempted machine), and a decode server that gets SIGKILL while it
 streams tokens. Both restart on their old ports and rejoin through health
-checks. Slow: three processes start, two restart."""
+checks. In the default suite (issue 12): one process kill per side, on one small
+cluster (three processes start, two restart; about a minute warm)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ import pytest
 
 from paas_jax.client import BrokerClient, GenerationError
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
-
-pytestmark = pytest.mark.slow
 
 LONG, SHORT = 120, 20
 

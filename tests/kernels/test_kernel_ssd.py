@@ -132,6 +132,19 @@ def test_kernels_lower_for_accelerators(platform, backend):
 @pytest.mark.parametrize("impl", ["xla", "pallas_tpu_interpret", "pallas_gpu_interpret"])
 @pytest.mark.parametrize("t,h,p,g,n,chunk", [(500, 8, 64, 2, 128, 64), (100, 6, 60, 3, 100, 32)])
 def test_sweep_against_recurrence(impl, t, h, p, g, n, chunk):
+  _sweep_case(impl, t, h, p, g, n, chunk)
+
+
+# The sweep reduced for the default suite (issue 12): both interpreted kernels on the
+# sweep's odd shapes (head dim 60, state 100, 3 groups, seq not a chunk multiple),
+# shortened; the full sweep stays slow.
+@pytest.mark.parametrize("impl,t,h,p,g,n,chunk", [("pallas_tpu_interpret", 70, 6, 60, 3, 100, 32),
+                                                  ("pallas_gpu_interpret", 70, 6, 60, 3, 100, 32)])
+def test_sweep_reduced(impl, t, h, p, g, n, chunk):
+  _sweep_case(impl, t, h, p, g, n, chunk)
+
+
+def _sweep_case(impl, t, h, p, g, n, chunk):
   x, dt, a, bm, cm, s0 = ssd_inputs(11, 1, t, h, p, g, n)
   y_ref, s_ref = ssd_naive(x, dt, a, bm, cm, initial_state=s0)
   y, s = _ssd(x, dt, a, bm, cm, initial_state=s0, chunk_size=chunk, impl=impl)

@@ -15,8 +15,15 @@ Not published, hence derived here, each recorded in ``CaseStudy.assumptions``:
   held-out check. ``"flop_ratio"`` scales by dense-BF16 peak FLOPs (989.4/148 TFLOPS) and
   is reported as a sensitivity: it contradicts Table 6 (predicts Theta_pdp ~ 0.9, not 2.11).
 - The decode instance: T_decode = 1/40 s (a step may not exceed the 40 tok/s TPOT SLO),
-  and BS_max solved by least squares from the three Theta_pdd values of Table 6 via
-  Eq. 7 (Theta_pdd = N_d * BS_max / (T_decode * L_out)), rounded to an integer batch.
+  and BS_max solved through Eq. 7 (Theta_pdd = N_d * BS_max / (T_decode * L_out)) from the
+  Theta_pdd of the columns named in ``decode_fit_columns`` -- by default the homogeneous
+  column only, so the PrfaaS-PD and naive Theta_pdd stay predictions -- rounded to an
+  integer batch.
+
+The first-principles variant (``h20_method="roofline"``) fits nothing to Table 6 for
+prefill: T_H20 = T_H200 * (roofline time on H20 / roofline time on H200) from the public
+spec sheets (``roofline_time_ratio``). ``paas_jax.scheduling.out_of_sample`` lists, per
+variant, which Table 6 cells were fitted and compares the rest with the paper.
 
 Table 6's *outputs* appear here only in ``PAPER_TABLE6`` (for comparison) and as the
 explicitly named calibration targets above.
@@ -57,10 +64,32 @@ PAPER_TABLE6 = {
 }
 PAPER_RATIO_VS_NAIVE = 1.32  # "+32% over naive heterogeneous" (= 3.24 / 2.45)
 
-# Spec-sheet dense BF16 peak, TFLOPS (H200 SXM, H20): used only by the "flop_ratio" variant.
+# Spec-sheet dense BF16 peak (TFLOP/s) and HBM bandwidth (TB/s), H200 SXM and H20: used
+# only by the first-principles variants ("flop_ratio", "roofline").
 H200_BF16_TFLOPS, H20_BF16_TFLOPS = 989.4, 148.0
+H200_HBM_TBPS, H20_HBM_TBPS = 4.8, 4.0
 
-H20_METHODS = ("homogeneous_column", "flop_ratio")
+H20_METHODS = ("homogeneous_column", "flop_ratio", "roofline")
+TABLE6_COLUMNS = ("prfaas_pd", "homogeneous", "naive")
+# Theta_pdd cells BS_max is fitted to by default: the homogeneous column only, the column
+# the H20 prefill profile is fitted to as well, so two whole columns stay out of sample.
+DECODE_FIT_COLUMNS = ("homogeneous",)
+
+
+def roofline_time_ratio(flop_per_byte: float = float("inf")) -> float:
+  """T_H20 / T_H200 for work of the given arithmetic intensity (FLOP per HBM byte).
+
+  Roofline time is max(F / peak, bytes / bandwidth) = F * max(1/peak, 1/(I * bandwidth)),
+  so the ratio depends on I only. The ridge points are 989.4/4.8 = 206 FLOP/B (H200) and
+  148/4.0 = 37 FLOP/B (H20): work above 206 is compute-bound on both (ratio 6.69), below
+  37 memory-bound on both (ratio 1.2). ``inf``: compute-bound.
+  """
+  if not flop_per_byte > 0:
+    raise ValueError(f"flop_per_byte must be > 0, got {flop_per_byte}")
+
+  def t(tflops: float, tbps: float) -> float:
+    return max(1.0 / tflops, 1.0 / (flop_per_byte * tbps))
+  return t(H20_BF16_TFLOPS, H20_HBM_TBPS) / t(H200_BF16_TFLOPS, H200_HBM_TBPS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,36 +115,47 @@ def paper_lengths(k_tokens: int = 1024) -> TruncatedLogNormal:
   return TruncatedLogNormal(LENGTH_MU, LENGTH_SIGMA, LENGTH_LO, LENGTH_HI_K * k_tokens)
 
 
-def derive_decode_profile() -> tuple[DecodeProfile, dict]:
-  """BS_max from Table 6's Theta_pdd column through Eq. 7, with T_decode at the TPOT SLO."""
+def derive_decode_profile(fit_columns: tuple[str, ...] = DECODE_FIT_COLUMNS,
+                          table: dict | None = None) -> tuple[DecodeProfile, dict]:
+  """BS_max from the Theta_pdd of ``fit_columns`` of Table 6 (``table``, default the
+  paper's) through Eq. 7, with T_decode at the TPOT SLO. Cells of other columns are
+  never read, so they stay out of sample."""
+  table = PAPER_TABLE6 if table is None else table
+  if not fit_columns or any(c not in TABLE6_COLUMNS for c in fit_columns):
+    raise ValueError(f"fit_columns must be a non-empty subset of {TABLE6_COLUMNS}, got {fit_columns}")
   step = 1.0 / TPOT_SLO_TOKENS_PER_S
-  rows = [(v["n"][2], v["theta"][2]) for v in PAPER_TABLE6.values()]
+  rows = [(table[c]["n"][2], table[c]["theta"][2]) for c in fit_columns]
   # Least squares of theta = n_d * x over the rows, x = BS_max / (T_decode * L_out).
   nd = np.array([r[0] for r in rows], dtype=np.float64)
   th = np.array([r[1] for r in rows], dtype=np.float64)
   per_instance = float(nd @ th / (nd @ nd))
   bs_exact = per_instance * step * OUTPUT_TOKENS
   bs = max(1, int(round(bs_exact)))
+  cells = ", ".join(f"{th_:g} @ N_d={n:g} ({c})" for c, (n, th_) in zip(fit_columns, rows))
   return DecodeProfile(max_batch_size=bs, step_seconds=step), {
       "decode_step_seconds": step,
       "decode_step_seconds_reason": "T_decode set to the 40 tok/s TPOT SLO bound (1/40 s per step)",
       "decode_max_batch_size": bs,
       "decode_max_batch_size_unrounded": bs_exact,
-      "decode_max_batch_size_reason": ("least-squares solve of Eq. 7 on Table 6's Theta_pdd column "
-                                       "(3.91 @ N_d=5, 2.35 @ N_d=3, 6.25 @ N_d=8), rounded to an integer"),
+      "decode_fit_columns": list(fit_columns),
+      "decode_max_batch_size_reason": (f"least-squares solve of Eq. 7 on Table 6's Theta_pdd of "
+                                       f"{cells} only, rounded to an integer"),
   }
 
 
 def derive_h20_profile(h200: PrefillProfile, lengths: TruncatedLogNormal,
                        method: str = "homogeneous_column",
-                       prefill_time_mode: str = "at_conditional_mean") -> tuple[PrefillProfile, dict]:
+                       prefill_time_mode: str = "at_conditional_mean",
+                       table: dict | None = None) -> tuple[PrefillProfile, dict]:
   """The unpublished 8xH20 prefill profile; see the module docstring.
 
   The homogeneous column's Theta_pdp is matched in the same ``prefill_time_mode`` the
   model is evaluated in (T_H20(E[L]) or E[T_H20(L)]), so the calibration is consistent.
+  ``table``: Table 6 to fit to (default the paper's; only its homogeneous column is read).
   """
+  table = PAPER_TABLE6 if table is None else table
   if method == "homogeneous_column":
-    homo = PAPER_TABLE6["homogeneous"]
+    homo = table["homogeneous"]
     mean_l = lengths.mean()
     p90_l = float(lengths.quantile(0.9))
     if prefill_time_mode == "expected":
@@ -132,6 +172,16 @@ def derive_h20_profile(h200: PrefillProfile, lengths: TruncatedLogNormal,
   elif method == "flop_ratio":
     scale, offset = H200_BF16_TFLOPS / H20_BF16_TFLOPS, 0.0
     reason = f"T_H20 = T_H200 * dense BF16 peak ratio {H200_BF16_TFLOPS}/{H20_BF16_TFLOPS} TFLOPS"
+  elif method == "roofline":
+    # Prefill of >= 128 tokens per request is compute-bound on both GPUs: a dense
+    # projection over n tokens does 2n FLOP per 2-byte bf16 weight, n FLOP/B, above
+    # both ridge points (206 and 37 FLOP/B) from n ~ 200 tokens on; attention over
+    # the prompt only adds FLOPs. So the roofline ratio is the compute one.
+    scale, offset = roofline_time_ratio(), 0.0
+    reason = (f"roofline from spec sheets: T_H20 = T_H200 * max(F/{H20_BF16_TFLOPS}T, B/{H20_HBM_TBPS}T)"
+              f" / max(F/{H200_BF16_TFLOPS}T, B/{H200_HBM_TBPS}T) = {scale:.3f} (prefill is "
+              "compute-bound on both: intensity >= ridge points 206 and 37 FLOP/B); nothing "
+              "fitted to Table 6")
   else:
     raise ValueError(f"method must be one of {H20_METHODS}, got {method!r}")
   h20 = h200.with_time_map("8xH20", scale, offset)
@@ -143,13 +193,18 @@ def derive_h20_profile(h200: PrefillProfile, lengths: TruncatedLogNormal,
 
 def build_case_study(k_tokens: int = 1024, interpolation: str = "quadratic",
                      h20_method: str = "homogeneous_column", link_gbps: float = LINK_GBPS,
-                     prefill_time_mode: str = "at_conditional_mean") -> CaseStudy:
-  """Assembles the case-study ``SystemModel`` and documents every derived input."""
+                     prefill_time_mode: str = "at_conditional_mean",
+                     decode_fit_columns: tuple[str, ...] = DECODE_FIT_COLUMNS,
+                     table: dict | None = None) -> CaseStudy:
+  """Assembles the case-study ``SystemModel`` and documents every derived input.
+
+  ``table``: the Table 6 the fits read (default the paper's; tests pass a perturbed one
+  to show which cells a variant depends on)."""
   h200 = paper_h200_profile(k_tokens, interpolation)
   lengths = paper_lengths(k_tokens)
   h200.validate_monotone(lengths.lo, lengths.hi)
-  h20, h20_notes = derive_h20_profile(h200, lengths, h20_method, prefill_time_mode)
-  decode, dec_notes = derive_decode_profile()
+  h20, h20_notes = derive_h20_profile(h200, lengths, h20_method, prefill_time_mode, table)
+  decode, dec_notes = derive_decode_profile(decode_fit_columns, table)
   system = SystemModel(prfaas_profile=h200, pdp_profile=h20, decode_profile=decode, lengths=lengths,
                        output_tokens=OUTPUT_TOKENS, egress_bandwidth_bps=link_gbps * GBPS,
                        prefill_time_mode=prefill_time_mode)

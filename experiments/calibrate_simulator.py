@@ -122,12 +122,15 @@ def gap(sim: dict, live: dict) -> dict:
 
 def main(argv):
   del argv
-  from paas_jax.serving.live_view import tiny_reference_profile  # pylint: disable=g-import-not-at-top
+  from paas_jax.scheduling import tiny_reference_profiles  # pylint: disable=g-import-not-at-top
   from paas_jax.simulation.calibration import ServiceProfile  # pylint: disable=g-import-not-at-top
+  from paas_jax.simulation.link import BandwidthTrace  # pylint: disable=g-import-not-at-top
   report = json.loads(pathlib.Path(FLAGS.demo_json).read_text())
   rows = [r for r in report["requests"] if not r.get("error")]
-  ref = tiny_reference_profile(int(report.get("decode_max_batch_size", 8)),
-                               float(report.get("link_bandwidth_bps", 1e9)))
+  bandwidth = float(report.get("link_bandwidth_bps", 1e9))
+  ref = ServiceProfile.from_profiles(
+      tiny_reference_profiles(int(report.get("decode_max_batch_size", 8))),
+      BandwidthTrace.constant(bandwidth if bandwidth > 0 else 1e9))
   service = ServiceProfile.from_demo_json(FLAGS.demo_json, ref, min_requests_per_point=2)
   sim, _ = simulate_demo(report, service)
   bare = dataclasses.replace(service, pdp_overhead_s=0.0, prfaas_overhead_s=0.0)

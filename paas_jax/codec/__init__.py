@@ -11,7 +11,8 @@ Typical use::
 
 from paas_jax.codec.decode import (check_blob, check_identity, check_template, decode_state,
                                    fetch_group, read_manifest, restore_array,
-                                   restore_from_store, restore_group, assemble, verify_state)
+                                   restore_from_store, restore_group, restore_indexed_group,
+                                   assemble, verify_state, RestoreTemplate)
 from paas_jax.codec.encode import (EncodedGroup, build_manifest, encode_arrays, encode_groups,
                                    encode_layer, encode_state, encode_state_arrays,
                                    token_count_of)
@@ -26,10 +27,11 @@ from paas_jax.codec.store import MemoryStore, crc32c, open_kvstore
 __all__ = [
     "ArrayEntry", "ArrayRole", "ChunkEntry", "ChunkIntegrityError", "CodecError",
     "CodecOptions", "EncodedGroup", "FingerprintMismatchError", "IncompleteStateError",
-    "LayerEntry", "LayoutMismatchError", "MANIFEST_KEY", "MemoryStore", "StateManifest",
-    "assemble", "build_manifest", "check_blob", "check_identity", "check_template", "crc32c",
+    "LayerEntry", "LayoutMismatchError", "MANIFEST_KEY", "MemoryStore", "RestoreTemplate",
+    "StateManifest", "assemble", "build_manifest", "check_blob", "check_identity",
+    "check_template", "crc32c",
     "decode_state", "encode_arrays", "encode_groups", "encode_layer", "encode_state",
     "encode_state_arrays", "fetch_group", "merge_manifests", "open_kvstore", "read_manifest",
-    "restore_array",
-    "restore_from_store", "restore_group", "split_state", "token_count_of", "verify_state",
+    "restore_array", "restore_from_store", "restore_group", "restore_indexed_group",
+    "split_state", "token_count_of", "verify_state",
 ]

@@ -318,8 +318,13 @@ def check_template(manifest: StateManifest, like: Any) -> None:
         f"template {sorted(wanted - stored)}")
 
 
-class _Template:
-  """The template's leaves and shardings by name, computed once per restore."""
+class RestoreTemplate:
+  """The template's leaves and shardings by name, computed once per restore.
+
+  Build it once per transfer (``RestoreTemplate(like, shardings)``) and pass it
+  to ``restore_indexed_group`` for every layer, instead of re-indexing ``like``
+  per layer as ``restore_group`` does.
+  """
 
   def __init__(self, like: Any, shardings: ShardingsLike):
     named, self.flat_shardings = _template_index(like, shardings)
@@ -333,11 +338,12 @@ def restore_group(store: MemoryStore, group: LayerEntry, like: Any,
 
   ``like`` is the full template state (only the group's leaves are used).
   """
-  return _restore_group(store, group, _Template(like, shardings))
+  return restore_indexed_group(store, group, RestoreTemplate(like, shardings))
 
 
-def _restore_group(store: MemoryStore, group: LayerEntry, template: _Template
-                   ) -> dict[str, Any]:
+def restore_indexed_group(store: MemoryStore, group: LayerEntry, template: RestoreTemplate
+                          ) -> dict[str, Any]:
+  """``restore_group`` with a template indexed beforehand (see ``RestoreTemplate``)."""
   out, uncommitted = _restore_group_host(store, group, template)
   out.update(_device_put_uncommitted(uncommitted))
   return out
@@ -352,7 +358,7 @@ def _device_put_uncommitted(host: Mapping[str, np.ndarray]) -> dict[str, Any]:
   return dict(zip(host, jax.device_put(list(host.values()))))
 
 
-def _restore_group_host(store: MemoryStore, group: LayerEntry, template: _Template
+def _restore_group_host(store: MemoryStore, group: LayerEntry, template: RestoreTemplate
                         ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """(restored arrays, name -> host array of leaves still to be device_put
   uncommitted)."""
@@ -384,7 +390,7 @@ class _BatchedRestore:
   """Restores groups one after another, moving uncommitted host arrays to the
   device in batches of up to ``_DEVICE_PUT_BATCH_BYTES``."""
 
-  def __init__(self, template: _Template):
+  def __init__(self, template: RestoreTemplate):
     self.template = template
     self.restored: dict[str, Any] = {}
     self._host: dict[str, np.ndarray] = {}
@@ -418,7 +424,7 @@ def restore_from_store(store: MemoryStore, manifest: StateManifest, like: Any,
                        shardings: ShardingsLike = None) -> Any:
   """Restores a full state from an already verified in-memory store."""
   check_template(manifest, like)
-  batch = _BatchedRestore(_Template(like, shardings))
+  batch = _BatchedRestore(RestoreTemplate(like, shardings))
   for group in manifest.groups:
     batch.add(store, group)
   return assemble(like, batch.flush())
@@ -457,7 +463,7 @@ def decode_state(where: KvStoreLike, *, like: Any, shardings: ShardingsLike = No
   check_identity(manifest, expected_model_id=expected_model_id,
                  expected_fingerprint=expected_fingerprint)
   check_template(manifest, like)
-  batch = _BatchedRestore(_Template(like, shardings))
+  batch = _BatchedRestore(RestoreTemplate(like, shardings))
   # One layer at a time, so at most one layer's encoded bytes are staged.
   for group in manifest.groups:
     store = MemoryStore()

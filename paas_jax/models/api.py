@@ -20,6 +20,7 @@ from flax import nnx
 from paas_jax.models.attention import Chunk
 from paas_jax.models.config import ModelConfig
 from paas_jax.models.hybrid import HybridLM
+from paas_jax.models.sampling_params import SamplingParams
 from paas_jax.state import (DecodeState, HybridPrefixCache, LayerCache, init_state,
                             round_up)
 
@@ -256,23 +257,6 @@ class LayerwisePrefill:
 
 
 # -- sampling ---------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  """``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
-
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-
-  def __post_init__(self):
-    if self.temperature < 0:
-      raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-    if self.top_k < 0:
-      raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-
 
 def sampling_key(seed: int, position: int) -> jax.Array:
   """The PRNG key for the token at ``position`` of a request seeded with ``seed``.

@@ -26,7 +26,10 @@ import hashlib
 import json
 from typing import ClassVar, Literal
 
-import jax.numpy as jnp
+# ml_dtypes registers bfloat16 & co. with numpy, so dtype names resolve without JAX:
+# the broker and the front door read configs and must not load JAX.
+import ml_dtypes  # noqa: F401  pylint: disable=unused-import
+import numpy as np
 
 LAYER_KINDS = ("A", "M", "S", "G", "m")
 ATTENTION_KINDS = ("A", "S")
@@ -273,12 +276,12 @@ class ModelConfig:
     return self.attention.head_dim or self.d_model // self.attention.n_heads
 
   @property
-  def compute_dtype(self) -> jnp.dtype:
-    return jnp.dtype(self.dtype)
+  def compute_dtype(self) -> np.dtype:
+    return np.dtype(self.dtype)
 
   @property
-  def weight_dtype(self) -> jnp.dtype:
-    return jnp.dtype(self.param_dtype)
+  def weight_dtype(self) -> np.dtype:
+    return np.dtype(self.param_dtype)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -350,7 +353,7 @@ class ModelConfig:
             f"must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}")
     for dt_field in ("dtype", "param_dtype"):
       try:
-        jnp.dtype(getattr(self, dt_field))
+        np.dtype(getattr(self, dt_field))
       except TypeError:
         _fail(f"ModelConfig.{dt_field}", f"unknown dtype {getattr(self, dt_field)!r}")
 

@@ -40,11 +40,12 @@ from absl import app, flags
 from paas_jax.observability.health import FAST_RECONNECT, HealthMonitor
 from paas_jax.observability.logs import request_metadata
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
+from paas_jax.scheduling import FinishedRequest, rebalance_step
 from paas_jax.security import cli as security_cli
 from paas_jax.serving import common
 from paas_jax.serving import pd_roles
-from paas_jax.serving.engine import (InvalidRequestError, RequestParams,
-                                     make_sampling, validate_request)
+from paas_jax.serving.validation import (InvalidRequestError, RequestParams,
+                                         make_sampling, validate_request)
 from paas_jax.serving.routing import (PDP, PRFAAS, AdaptiveRouterPolicy, RouteDecision,
                                       RouteRequest, RoutingPolicy, StaticThresholdPolicy)
 from paas_jax.serving.tokenizer import ServedText, WrappedTokenizer, byte_text, checkpoint_text
@@ -286,19 +287,19 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     return self.live
 
   def _rebalance_step(self) -> None:
-    from paas_jax.serving.live_view import rebalance_step  # pylint: disable=g-import-not-at-top
     with self._lock:
       recs = [r for r in self._recent if r.phase == "finished"]
       n_p_now, _ = pd_roles.split(self._roles)
       moving = any(n.draining for n in self._roles)
     # TPOT per request: decode time after the first token over the tokens that
     # followed it (decode step at the batch size it ran with).
-    rows = [{"route": r.route, "input_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-             "output_tokens": max(r.generated, 1), "prefill_s": r.prefill_s,
-             "link_bytes": r.link_bytes if r.route == PRFAAS else None,
-             "tpot_s": ((r.total_s - r.first_token_s) / (r.generated - 1)
-                        if r.generated > 1 and r.total_s > r.first_token_s > 0 else None)}
-            for r in recs]
+    rows = [FinishedRequest(
+        route=r.route, input_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+        output_tokens=max(r.generated, 1), prefill_s=r.prefill_s,
+        link_bytes=r.link_bytes if r.route == PRFAAS else None,
+        tpot_s=((r.total_s - r.first_token_s) / (r.generated - 1)
+                if r.generated > 1 and r.total_s > r.first_token_s > 0 else None))
+        for r in recs]
     router = getattr(self.policy, "router", None)
     t = router.threshold_tokens if router is not None else getattr(
         self.policy, "threshold_tokens", float("inf"))

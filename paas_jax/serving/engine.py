@@ -37,32 +37,14 @@ from flax import nnx, struct
 
 from paas_jax.models import api
 from paas_jax.models.config import ModelConfig
+# Request validation lives in the JAX-free ``validation`` module (the broker uses it);
+# re-exported here because the engine raises these errors and takes these params.
+from paas_jax.serving.validation import (MAX_REQUEST_ID_CHARS, MAX_SEED, EngineError,  # noqa: F401
+                                         InvalidRequestError, RequestParams,
+                                         check_request_identity, make_sampling,
+                                         validate_request)
 from paas_jax.state import (CAPACITY_ALIGN, AttentionCache, DecodeState, MLACache, init_state,
                             round_up)
-
-
-class EngineError(Exception):
-  """Base class of engine errors."""
-
-
-class InvalidRequestError(EngineError, ValueError):
-  """The request can never be served (bad tokens, too long, bad sampling...)."""
-
-
-MAX_REQUEST_ID_CHARS = 256
-
-
-def check_request_identity(request, config: ModelConfig, server: str, *,
-                           require_id: bool = True) -> None:
-  """Refuses a request for another model, or (``require_id``) one without a
-  usable ``request_id``; ``server`` names this server in the message."""
-  if request.model and request.model != config.name:
-    raise InvalidRequestError(f"unknown model {request.model!r}; this {server} serves "
-                              f"{config.name!r}")
-  if require_id and (not request.request_id
-                     or len(request.request_id) > MAX_REQUEST_ID_CHARS):
-    raise InvalidRequestError(
-        f"request_id is required (at most {MAX_REQUEST_ID_CHARS} characters)")
 
 
 class PoolExhaustedError(EngineError):
@@ -120,72 +102,6 @@ class EngineConfig:
   @property
   def prefill_chunk(self) -> int:
     return self.prefill_buckets[-1]
-
-
-# -- requests ---------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class RequestParams:
-  """Per-request generation settings (what the decode engine needs to continue)."""
-
-  sampling: api.SamplingParams = api.SamplingParams()
-  seed: int = 0
-  max_new_tokens: int = 16
-  stop_tokens: tuple[int, ...] = ()
-
-
-MAX_SEED = 2**31 - 1
-
-
-def validate_request(config: ModelConfig, prompt: Sequence[int], params: RequestParams,
-                     max_ctx: int | None = None) -> None:
-  """Raises ``InvalidRequestError`` with a user-facing message if the request is bad."""
-  limit = config.max_seq_len if max_ctx is None else min(max_ctx, config.max_seq_len)
-  if len(prompt) == 0:
-    raise InvalidRequestError("the prompt is empty")
-  arr = np.asarray(prompt)
-  if not np.issubdtype(arr.dtype, np.integer):
-    raise InvalidRequestError("prompt token ids must be integers")
-  lo, hi = int(arr.min()), int(arr.max())
-  if lo < 0 or hi >= config.vocab_size:
-    bad = lo if lo < 0 else hi
-    raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, "
-                              f"{config.vocab_size}) of model {config.name!r}")
-  if params.max_new_tokens <= 0:
-    raise InvalidRequestError(f"max_new_tokens must be > 0, got {params.max_new_tokens}")
-  if len(prompt) >= limit:
-    raise InvalidRequestError(f"the prompt has {len(prompt)} tokens; the context of model "
-                              f"{config.name!r} holds {limit} (prompt + new tokens)")
-  if len(prompt) + params.max_new_tokens > limit:
-    raise InvalidRequestError(
-        f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-        f"the context of {limit} tokens of model {config.name!r}")
-  s = params.sampling
-  if not (s.temperature >= 0 and np.isfinite(s.temperature)):
-    raise InvalidRequestError(f"temperature must be a finite number >= 0, got {s.temperature}")
-  if s.top_k < 0:
-    raise InvalidRequestError(f"top_k must be >= 0, got {s.top_k}")
-  if not 0.0 < s.top_p <= 1.0:
-    raise InvalidRequestError(f"top_p must be in (0, 1], got {s.top_p}")
-  if not 0 <= params.seed <= MAX_SEED:
-    raise InvalidRequestError(f"seed must be in [0, {MAX_SEED}], got {params.seed}")
-  for t in params.stop_tokens:
-    if not 0 <= t < config.vocab_size:
-      raise InvalidRequestError(f"stop token {t} is outside the vocabulary [0, "
-                                f"{config.vocab_size})")
-
-
-def make_sampling(temperature: float, top_k: int, top_p: float) -> api.SamplingParams:
-  """``SamplingParams`` from wire values, with ``InvalidRequestError`` on bad input.
-
-  The proto3 default ``top_p = 0`` means "unset" and maps to 1 (no filter).
-  """
-  if top_p == 0:
-    top_p = 1.0
-  try:
-    return api.SamplingParams(float(temperature), int(top_k), float(top_p))
-  except ValueError as e:
-    raise InvalidRequestError(str(e)) from e
 
 
 # -- prefill engine ---------------------------------------------------------------

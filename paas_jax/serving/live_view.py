@@ -42,8 +42,9 @@ distinct pair with the cache's own ``block_hashes``; the ids
 without a prefix cache.
 
 The long timescale: every ``rebalance_every_s`` the state fits prefill
-profiles to the broker's measured requests (``ServiceProfile.from_demo_records``
-over per-request prefill time and link bytes) and runs a ``Rebalancer`` step.
+profiles to the broker's measured requests and runs a ``Rebalancer`` step
+(``paas_jax.scheduling.rebalance_step`` over typed ``FinishedRequest`` records:
+per-request prefill time and link bytes).
 The deployment has one PD node, which does both PD-P and PD-D, so the split
 cannot move: the step re-solves t with the split pinned and only *reports*
 the proposal (``last_proposal``); applying t is opt-in (``apply_threshold``).
@@ -55,7 +56,6 @@ import collections
 import dataclasses
 import json
 import logging
-import math
 import threading
 import time
 from typing import Callable, Sequence
@@ -442,85 +442,3 @@ class LiveClusterState:
             "ingress_pending_bytes": self.ingress_pending_bytes(),
             "probe_requests": self.probe_requests,
             "probe_request_bytes": self.probe_request_bytes}
-
-
-def tiny_reference_profile(n_slots: int, link_bandwidth_bps: float):
-  """A placeholder ``ServiceProfile`` for the fit's unmeasured parts (tiny models on CPU)."""
-  from paas_jax.scheduling import DecodeProfile, PrefillProfile  # pylint: disable=g-import-not-at-top
-  from paas_jax.simulation.calibration import ServiceProfile  # pylint: disable=g-import-not-at-top
-  from paas_jax.simulation.link import BandwidthTrace  # pylint: disable=g-import-not-at-top
-  prof = PrefillProfile(name="live", lengths=(64.0, 256.0, 1024.0),
-                        prefill_seconds=(0.02, 0.06, 0.25), kv_bytes=(6e4, 1.2e5, 3.5e5),
-                        gpus_per_instance=1)
-  return ServiceProfile(prfaas_prefill=prof, pdp_prefill=prof,
-                        decode=DecodeProfile(max_batch_size=max(n_slots, 1), step_seconds=0.02),
-                        link=BandwidthTrace.constant(link_bandwidth_bps if link_bandwidth_bps > 0
-                                                     else 1e9))
-
-
-def rebalance_step(records: Sequence[dict], *, threshold: float, n_slots: int,
-                   link_bandwidth_bps: float, min_samples: int = 8, n_pd_nodes: int = 1,
-                   current_n_p: int | None = None, n_prfaas: int = 1) -> dict:
-  """Fits profiles to finished requests and re-solves t and the P/D split.
-
-  ``records``: dicts with route, input_tokens, cached_tokens, output_tokens,
-  prefill_s, link_bytes and optionally tpot_s (as the demo report writes them);
-  PD-P and PrfaaS prefill times are fitted per route, the decode step from
-  the median TPOT. With one PD node (``n_pd_nodes=1``: PD-P and PD-D on the
-  same node) the split is pinned and only t is re-solved. With N > 1 the split
-  is free: N_p in 1..N-1 of ``n_local = N``, evaluated against the deployed
-  ``current_n_p`` (default N // 2).
-  Returns a JSON-able proposal (``{"status": ...}`` when it cannot run yet).
-  """
-  from paas_jax.scheduling import (EmpiricalLengths, Rebalancer,  # pylint: disable=g-import-not-at-top
-                                   SystemModel)
-  from paas_jax.simulation.calibration import ServiceProfile  # pylint: disable=g-import-not-at-top
-  rows = [r for r in records if r.get("route") in ("pdp", "prfaas")
-          and r.get("output_tokens", 0) >= 1 and r.get("input_tokens", 0) >= 1]
-  if len(rows) < min_samples:
-    return {"status": f"waiting: {len(rows)} of {min_samples} finished requests"}
-  ref = tiny_reference_profile(n_slots, link_bandwidth_bps)
-  # A warm request counts as a cold one of its uncached length (its prefill cost
-  # is mostly that of the new tokens); its link bytes still cover the whole state,
-  # so S_kv is fitted on truly cold PrfaaS requests only.
-  fit_rows = [dict(r, input_tokens=max(int(r["input_tokens"]) - int(r.get("cached_tokens", 0)), 1),
-                   cached_tokens=0, link_bytes=r.get("link_bytes") if not r.get("cached_tokens")
-                   else None) for r in rows]
-  try:
-    prof = ServiceProfile.from_demo_records(
-        {"requests": fit_rows, "link_bandwidth_bps": link_bandwidth_bps or 1e9,
-         "decode_max_batch_size": n_slots}, ref, min_requests_per_point=2)
-  except ValueError as e:
-    return {"status": f"fit failed: {e}"}
-  lengths = [float(r["input_tokens"]) for r in rows]
-  out_tokens = float(np.mean([r["output_tokens"] for r in rows]))
-  base = SystemModel(prfaas_profile=prof.prfaas_prefill, pdp_profile=prof.pdp_prefill,
-                     decode_profile=prof.decode, lengths=EmpiricalLengths.from_array(lengths),
-                     output_tokens=out_tokens,
-                     egress_bandwidth_bps=link_bandwidth_bps if link_bandwidth_bps > 0 else 1e9)
-  t_now = threshold if math.isfinite(threshold) else max(lengths) + 1
-  if n_pd_nodes <= 1:
-    # One PD node runs PD-P and PD-D: model it as N_p = 1, N_d = 1 and pin the split.
-    reb = Rebalancer(base, n_prfaas=n_prfaas, n_local=2, min_samples=min_samples,
-                     threshold_step_tokens=16.0)
-    p = reb.propose(t_now, 1, lengths, n_p_choices=(1,))
-    note = "split pinned (one PD node does PD-P and PD-D)"
-  else:
-    n_p_now = n_pd_nodes // 2 if current_n_p is None else current_n_p
-    reb = Rebalancer(base, n_prfaas=n_prfaas, n_local=n_pd_nodes, min_samples=min_samples,
-                     threshold_step_tokens=16.0)
-    p = reb.propose(t_now, n_p_now, lengths, n_p_choices=range(1, n_pd_nodes))
-    note = f"split free: N_p in 1..{n_pd_nodes - 1} of {n_pd_nodes} PD nodes (now {n_p_now})"
-  measured = any(c.startswith(("prfaas_prefill", "pdp_prefill")) for c in prof.calibrated)
-  return {"status": "ok" if measured else "ok(placeholder prefill profiles)",
-          "samples": len(rows), "calibrated": list(prof.calibrated),
-          "current_threshold": t_now, "proposed_threshold": p.plan.threshold_tokens,
-          "current_lambda_max": p.current.lambda_max, "proposed_lambda_max": p.plan.lambda_max,
-          "relative_gain": p.relative_gain, "apply": p.apply,
-          "proposed_split": {"n_prfaas": p.plan.n_prfaas, "n_p": p.plan.n_p, "n_d": p.plan.n_d},
-          "note": note, "n_pd_nodes": n_pd_nodes,
-          "decode_step_s": float(prof.decode.step_seconds),
-          "prfaas_service_s": float(prof.prfaas_prefill.t_prefill(
-              np.mean([l for l in lengths if l > p.plan.threshold_tokens] or lengths))),
-          "pdp_service_s": float(prof.pdp_prefill.t_prefill(
-              np.mean([l for l in lengths if l <= p.plan.threshold_tokens] or lengths)))}

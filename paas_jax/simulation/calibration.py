@@ -20,21 +20,9 @@ Demo JSON schema (one object; unknown keys are ignored)::
     ]
   }
 
-Fitting, per route, uses cold requests only (``cached_tokens == 0``, whose latency is a
-clean T_prefill sample): lengths are split into up to ``max_points`` equal-count bins and
-each bin contributes (median length, median prefill_s) as a profile point, so stragglers
-do not bend the curve. ``prefill_s`` falls back to ``ttft_s`` (an upper bound that also
-holds queueing and transfer) and the profile records that it did. S_kv comes from
-(input_tokens, link_bytes) of cold PrfaaS requests (the link carries exactly S_kv there)
-and is shared by both routes, because it is a property of the model. The decode step time
-is the median TPOT.
-
-The per-route fixed overhead (``pdp_overhead_s``, ``prfaas_overhead_s``) is what a
-request's TTFT holds beyond its prefill wait, its prefill compute and its bytes at link
-speed: RPCs, the transfer's Begin/Commit round trips and the relay RTT, the first-token
-handoff and the first decode step. It is fitted as the median of
-``ttft_s - prefill_queue_s - prefill_s - 8*link_bytes/bandwidth`` over the requests that
-carry ``prefill_s`` (clamped at 0), and needs the link bandwidth for the PrfaaS route.
+The fit itself (cold-request binning, S_kv, decode step, per-route overheads) is
+``paas_jax.scheduling.calibration.fit_profiles`` on typed ``FinishedRequest`` records,
+shared with the live broker's rebalancer.
 """
 
 from __future__ import annotations
@@ -43,10 +31,9 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
-import numpy as np
-
+from paas_jax.scheduling.calibration import FinishedRequest, ProfileSet, fit_profiles
 from paas_jax.scheduling.profiles import DecodeProfile, PrefillProfile
 from paas_jax.simulation.link import BandwidthTrace
 
@@ -94,134 +81,33 @@ class ServiceProfile:
       return cls.from_demo_records(json.load(f), reference, **kwargs)
 
   @classmethod
+  def from_profiles(cls, profiles: ProfileSet, link: BandwidthTrace, **kwargs) -> "ServiceProfile":
+    """A ServiceProfile from fitted (or reference) profiles and a link trace."""
+    return cls(prfaas_prefill=profiles.prfaas_prefill, pdp_prefill=profiles.pdp_prefill,
+               decode=profiles.decode, link=link, pdp_overhead_s=profiles.pdp_overhead_s,
+               prfaas_overhead_s=profiles.prfaas_overhead_s, calibrated=profiles.calibrated,
+               **kwargs)
+
+  def profiles(self) -> ProfileSet:
+    """The profile part (no link trace, no RDMA bandwidth)."""
+    return ProfileSet(prfaas_prefill=self.prfaas_prefill, pdp_prefill=self.pdp_prefill,
+                      decode=self.decode, pdp_overhead_s=self.pdp_overhead_s,
+                      prfaas_overhead_s=self.prfaas_overhead_s, calibrated=self.calibrated)
+
+  @classmethod
   def from_demo_records(cls, data: Mapping[str, Any], reference: "ServiceProfile",
                         max_points: int = 6, min_requests_per_point: int = 3) -> "ServiceProfile":
     """Fits a ServiceProfile to demo measurements; unmeasured parts come from ``reference``."""
     reqs = data.get("requests")
     if not isinstance(reqs, list) or not reqs:
       raise ValueError("demo data needs a non-empty 'requests' list")
-    rows = [_validate_record(i, r) for i, r in enumerate(reqs)]
-    calibrated: list[str] = []
-
-    prfaas_cold = [r for r in rows if r["route"] == "prfaas" and r["cached_tokens"] == 0]
-    kv = reference.prfaas_prefill
-    kv_fixed, kv_slope = kv.kv_fixed_bytes, kv.kv_slope_bytes_per_token
-    with_bytes = [r for r in prfaas_cold if r.get("link_bytes") is not None]
-    if len({r["input_tokens"] for r in with_bytes}) >= 2:
-      x = np.array([r["input_tokens"] for r in with_bytes], dtype=np.float64)
-      y = np.array([r["link_bytes"] for r in with_bytes], dtype=np.float64)
-      kv_slope, kv_fixed = (float(v) for v in np.polyfit(x, y, 1))
-      if kv_slope < 0 or kv_fixed < 0:
-        raise ValueError(f"fitted S_kv = {kv_fixed:.3g} + {kv_slope:.3g}*l is not physical")
-      calibrated.append("s_kv")
-
-    def fit_route(route: str, ref: PrefillProfile) -> PrefillProfile:
-      cold = [r for r in rows if r["route"] == route and r["cached_tokens"] == 0]
-      pts = _binned_points(cold, max_points, min_requests_per_point)
-      if pts is None:
-        prof = ref
-      else:
-        ls, ts, used_ttft = pts
-        prof = PrefillProfile(
-            name=f"{ref.name}(demo)", lengths=tuple(ls), prefill_seconds=tuple(ts),
-            kv_bytes=tuple(kv_fixed + kv_slope * l for l in ls),
-            gpus_per_instance=ref.gpus_per_instance,
-            interpolation=ref.interpolation if len(ls) >= 3 else "piecewise_linear")
-        calibrated.append(f"{route}_prefill" + ("(from ttft_s)" if used_ttft else ""))
-      if "s_kv" in calibrated and pts is None:
-        prof = dataclasses.replace(prof, kv_bytes=tuple(kv_fixed + kv_slope * l for l in prof.lengths))
-      return prof
-
-    prfaas = fit_route("prfaas", reference.prfaas_prefill)
-    pdp = fit_route("pdp", reference.pdp_prefill)
-
-    decode = reference.decode
-    tpots = [r["tpot_s"] for r in rows if r.get("tpot_s") is not None]
-    if tpots:
-      decode = dataclasses.replace(decode, step_seconds=float(np.median(tpots)))
-      calibrated.append("decode_step_seconds")
-    if "decode_max_batch_size" in data:
-      decode = dataclasses.replace(decode, max_batch_size=int(data["decode_max_batch_size"]))
-      calibrated.append("decode_max_batch_size")
-
-    link = reference.link
-    bandwidth = None
-    if "link_bandwidth_bps" in data:
-      bandwidth = float(data["link_bandwidth_bps"])
-      link = BandwidthTrace.constant(bandwidth)
-      calibrated.append("link")
-
-    overheads = {"pdp": reference.pdp_overhead_s, "prfaas": reference.prfaas_overhead_s}
-    for route in overheads:
-      resid = _overhead_samples(rows, route, bandwidth)
-      if resid:
-        overheads[route] = float(np.median(resid))
-        calibrated.append(f"{route}_overhead")
-    return cls(prfaas_prefill=prfaas, pdp_prefill=pdp, decode=decode, link=link,
-               rdma_bps=reference.rdma_bps, pdp_overhead_s=overheads["pdp"],
-               prfaas_overhead_s=overheads["prfaas"], calibrated=tuple(calibrated))
-
-
-def _overhead_samples(rows: Iterable[dict], route: str, bandwidth_bps: float | None
-                      ) -> list[float]:
-  """TTFT left over after prefill wait, compute and link time (module docstring)."""
-  out = []
-  for r in rows:
-    if r["route"] != route or r.get("prefill_s") is None or r.get("ttft_s") is None:
-      continue
-    wire = 0.0
-    if route == "prfaas":
-      if not bandwidth_bps or r.get("link_bytes") is None:
-        continue
-      wire = 8.0 * r["link_bytes"] / bandwidth_bps
-    resid = r["ttft_s"] - (r.get("prefill_queue_s") or 0.0) - r["prefill_s"] - wire
-    out.append(max(resid, 0.0))
-  return out
-
-
-def _validate_record(i: int, r: Any) -> dict:
-  if not isinstance(r, Mapping):
-    raise ValueError(f"requests[{i}] is not an object")
-  if r.get("route") not in ("pdp", "prfaas"):
-    raise ValueError(f"requests[{i}].route must be 'pdp' or 'prfaas', got {r.get('route')!r}")
-  out = dict(r)
-  for key in ("input_tokens", "output_tokens"):
-    if not isinstance(r.get(key), (int, float)) or r[key] < 1:
-      raise ValueError(f"requests[{i}].{key} must be a number >= 1")
-  out["cached_tokens"] = r.get("cached_tokens", 0)
-  if not 0 <= out["cached_tokens"] <= r["input_tokens"]:
-    raise ValueError(f"requests[{i}].cached_tokens must lie in [0, input_tokens]")
-  if r.get("prefill_s") is None and r.get("ttft_s") is None:
-    raise ValueError(f"requests[{i}] needs prefill_s or ttft_s")
-  for key in ("prefill_s", "prefill_queue_s", "ttft_s", "tpot_s", "link_bytes"):
-    v = r.get(key)
-    if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-      raise ValueError(f"requests[{i}].{key} must be a finite number >= 0")
-  return out
-
-
-def _binned_points(rows: Iterable[dict], max_points: int,
-                   min_per_point: int) -> tuple[list[float], list[float], bool] | None:
-  """Equal-count bins -> (median length, median prefill time); None if < 2 usable points."""
-  rows = sorted(rows, key=lambda r: r["input_tokens"])
-  n_points = min(max_points, len(rows) // max(min_per_point, 1))
-  if n_points < 2:
-    return None
-  used_ttft = any(r.get("prefill_s") is None for r in rows)
-  ls, ts = [], []
-  for chunk in np.array_split(np.arange(len(rows)), n_points):
-    sel = [rows[j] for j in chunk]
-    ls.append(float(np.median([r["input_tokens"] for r in sel])))
-    ts.append(float(np.median([r["prefill_s"] if r.get("prefill_s") is not None else r["ttft_s"]
-                               for r in sel])))
-  # Profile lengths must strictly increase; merge bins that share a median length.
-  merged_l, merged_t = [], []
-  for l, t in zip(ls, ts):
-    if merged_l and l <= merged_l[-1]:
-      merged_t[-1] = 0.5 * (merged_t[-1] + t)
-    else:
-      merged_l.append(l)
-      merged_t.append(t)
-  if len(merged_l) < 2:
-    return None
-  return merged_l, merged_t, used_ttft
+    for i, r in enumerate(reqs):
+      if not isinstance(r, Mapping):
+        raise ValueError(f"requests[{i}] is not an object")
+    bandwidth = float(data["link_bandwidth_bps"]) if "link_bandwidth_bps" in data else None
+    fit = fit_profiles([FinishedRequest.from_mapping(r) for r in reqs], reference.profiles(),
+                       link_bandwidth_bps=bandwidth,
+                       decode_max_batch_size=data.get("decode_max_batch_size"),
+                       max_points=max_points, min_requests_per_point=min_requests_per_point)
+    link = BandwidthTrace.constant(bandwidth) if bandwidth is not None else reference.link
+    return cls.from_profiles(fit, link, rdma_bps=reference.rdma_bps)

@@ -29,8 +29,8 @@ from typing import Any, Callable, Mapping
 import grpc
 
 from paas_jax.codec import layout
-from paas_jax.codec.decode import (ShardingsLike, _restore_group, _Template, assemble,
-                                   check_template, restore_from_store)
+from paas_jax.codec.decode import (RestoreTemplate, ShardingsLike, assemble, check_template,
+                                   restore_from_store, restore_indexed_group)
 from paas_jax.codec.errors import CodecError
 from paas_jax.codec.manifest import GLOBAL_LAYER_INDEX, LayerEntry, StateManifest
 from paas_jax.codec.options import CodecOptions
@@ -144,9 +144,9 @@ def _restore_layer(t: "_Inbound", store: MemoryStore, entry: LayerEntry, like: A
   """``restore_group``, reusing the transfer's indexed template."""
   cached = t.template_index
   if cached is None or cached[0] is not like or cached[1] is not shardings:
-    cached = (like, shardings, _Template(like, shardings))
+    cached = (like, shardings, RestoreTemplate(like, shardings))
     t.template_index = cached
-  return _restore_group(store, entry, cached[2])
+  return restore_indexed_group(store, entry, cached[2])
 
 
 class _Inbound:
@@ -170,7 +170,7 @@ class _Inbound:
     self.flushed: set[int] = set()
     self.store: MemoryStore | None = MemoryStore()
     self.restores: dict[int, futures.Future] = {}
-    # (like, shardings, _Template): the template indexed by leaf name once per
+    # (like, shardings, RestoreTemplate): the template indexed by leaf name once per
     # transfer rather than once per restored layer.
     self.template_index: tuple | None = None
     self.attempts: collections.Counter = collections.Counter()

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as pc
 from pallas_kernels._common import cdiv, pad_axis, require
-from pallas_kernels.flash_attention.kernel import (block_bounds, element_mask, finalize,
+from pallas_kernels.flash_attention.common import (block_bounds, element_mask, finalize,
                                                    online_softmax_update, tile_visible)
 
 

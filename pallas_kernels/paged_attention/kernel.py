@@ -26,29 +26,10 @@ import jax.numpy as jnp
 from pallas_kernels import _compat as pc
 from pallas_kernels import _dispatch
 from pallas_kernels._common import require
-from pallas_kernels.flash_attention.kernel import element_mask, finalize, online_softmax_update
+from pallas_kernels.flash_attention.common import element_mask, finalize, online_softmax_update
+from pallas_kernels.paged_attention import kernel_gpu
+from pallas_kernels.paged_attention.common import page_range, query_rows
 from pallas_kernels.paged_attention.reference import check_mla_inputs, check_paged_inputs
-
-
-def page_range(length, n, page_size, window):
-  """(first, last) page slot holding a key some query can see (last < first if none).
-
-  Operands are non-negative, so truncating ``lax.div`` equals floor division
-  and avoids the sign fix-up that ``//`` lowers to.
-  """
-  last = jax.lax.div(jnp.maximum(length, 0) + (page_size - 1), page_size) - 1
-  if window is None:
-    first = jnp.zeros_like(last)
-  else:
-    # The earliest query sits at length - n and sees positions > it - window.
-    first = jax.lax.div(jnp.maximum(length - n - window + 1, 0), page_size)
-  return first, last
-
-
-def query_rows(lengths, n, grp):
-  """Positions of the kernel's query rows, ordered (group member, token): [b, grp*n, 1]."""
-  pos = lengths[:, None] - n + jnp.arange(n, dtype=jnp.int32)[None, :]
-  return jnp.tile(pos, (1, grp))[:, :, None].astype(jnp.int32)
 
 
 def _tpu_kernel(len_ref, table_ref, qpos_ref, q_ref, *rest, sm_scale, window, n, page_size,
@@ -152,7 +133,6 @@ def paged_attention_pallas(q, k_pages, v_pages, lengths, page_table, *, sm_scale
   # Unused table slots may hold junk; a clamped id keeps every DMA in bounds.
   page_table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
   if form == pc.GPU:
-    from pallas_kernels.paged_attention import kernel_gpu  # pylint: disable=g-import-not-at-top
     return kernel_gpu.paged_gpu(q, k_pages, v_pages, lengths, page_table, sm_scale=sm_scale,
                                 window=window, interpret=interpret)
   if not interpret:
@@ -176,7 +156,6 @@ def paged_mla_attention_pallas(q_latent, q_rope, latent_pages, rope_pages, lengt
   lengths = lengths.astype(jnp.int32)
   page_table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
   if form == pc.GPU:
-    from pallas_kernels.paged_attention import kernel_gpu  # pylint: disable=g-import-not-at-top
     return kernel_gpu.paged_mla_gpu(q_latent, q_rope, latent_pages, rope_pages, lengths,
                                     page_table, sm_scale=float(sm_scale), interpret=interpret)
   if not interpret:

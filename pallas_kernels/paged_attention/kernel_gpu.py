@@ -20,8 +20,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as pc
 from pallas_kernels._common import pad_axis, require
-from pallas_kernels.flash_attention.kernel import element_mask, finalize, online_softmax_update
-from pallas_kernels.paged_attention.kernel import page_range, query_rows
+from pallas_kernels.flash_attention.common import element_mask, finalize, online_softmax_update
+from pallas_kernels.paged_attention.common import page_range, query_rows
 
 
 def _is_pow2(x: int) -> bool:

@@ -22,29 +22,9 @@ import jax.numpy as jnp
 from pallas_kernels import _compat as pc
 from pallas_kernels import _dispatch
 from pallas_kernels._common import cdiv, pad_axis, require
+from pallas_kernels.ssd import kernel_gpu
+from pallas_kernels.ssd.common import chunk_step
 from pallas_kernels.ssd.reference import check_inputs
-
-
-def chunk_step(x, dt, lc, lr, l_last, bm, cm, s):
-  """One chunk of SSD for one head (and head-dim slice).
-
-  Args:
-    x: [C, bp] f32;  dt, lc: [C, 1] f32 (lc = cumulative log decay);
-    lr: [1, C] (lc as a row);  l_last: [1, 1] (lc of the chunk's last token);
-    bm, cm: [C, n] (input dtype);  s: [bp, n] f32 incoming state.
-
-  Returns:
-    (y [C, bp] f32, new state [bp, n] f32).
-  """
-  c = x.shape[0]
-  rows = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-  cols = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-  seg = jnp.exp(jnp.where(cols <= rows, lc - lr, -jnp.inf))
-  xdt = x * dt
-  y = pc.dot(pc.dot(cm, bm, trans_b=True) * seg, xdt)
-  y = y + jnp.exp(lc) * pc.dot(cm.astype(jnp.float32), s, trans_b=True)
-  s = jnp.exp(l_last) * s + pc.dot_tn(xdt * jnp.exp(l_last - lc), bm.astype(jnp.float32))
-  return y, s
 
 
 def _tpu_kernel(x_ref, dt_ref, lc_ref, lr_ref, b_ref, c_ref, s0_ref, y_ref, s_out_ref, s_sc, *,
@@ -133,7 +113,6 @@ def ssd_pallas(x, dt, a, b_mat, c_mat, *, initial_state=None, chunk_size=64, bac
   if form == pc.TPU:
     y, s = _ssd_tpu(xc, dtc, lcum, bc, cc, s0, interpret=interpret)
   else:
-    from pallas_kernels.ssd import kernel_gpu  # pylint: disable=g-import-not-at-top
     y, s = kernel_gpu.ssd_gpu(xc, dtc, lcum, bc, cc, s0, interpret=interpret)
   nc, c = y.shape[2], y.shape[3]
   y = jnp.transpose(y, (0, 2, 3, 1, 4)).reshape(b, nc * c, h, p)[:, :t]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat as pc
 from pallas_kernels._common import pad_axis, require
-from pallas_kernels.ssd.kernel import chunk_step
+from pallas_kernels.ssd.common import chunk_step
 
 
 def _pow2(n: int, floor: int = 16) -> int:

@@ -7,6 +7,7 @@ servers behind it, and one real two-PD-node cluster (module-scoped).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -16,8 +17,8 @@ import grpc
 import numpy as np
 import pytest
 
+from paas_jax.scheduling import FinishedRequest, rebalance_step
 from paas_jax.serving import pd_roles
-from paas_jax.serving.live_view import rebalance_step
 from paas_jax.serving.pd_roles import (BOTH_ROLE, DECODE, PDD_ROLE, PDP_ROLE, PREFILL, NodeRole,
                                        RoleError, begin_moves, default_roles, plan_split,
                                        serving_counts, settle, split, validate_roles)
@@ -124,16 +125,16 @@ def test_admin_interceptor_guards_only_set_roles():
 # -- the rebalancer with several PD nodes -----------------------------------------------
 
 
-def _rows(n: int = 60, seed: int = 0, pdp_slow: float = 1.0) -> list[dict]:
+def _rows(n: int = 60, seed: int = 0, pdp_slow: float = 1.0) -> list[FinishedRequest]:
   rng = np.random.default_rng(seed)
   rows = []
   for _ in range(n):
     l = int(rng.integers(30, 600))
     route = "prfaas" if l > 150 else "pdp"
-    rows.append({"route": route, "input_tokens": l, "cached_tokens": 0, "output_tokens": 16,
-                 "prefill_s": (0.01 + 1e-4 * l) * (0.5 if route == "prfaas" else pdp_slow),
-                 "link_bytes": 5e4 + 500 * l if route == "prfaas" else None,
-                 "tpot_s": 0.02})
+    rows.append(FinishedRequest(
+        route=route, input_tokens=l, cached_tokens=0, output_tokens=16,
+        prefill_s=(0.01 + 1e-4 * l) * (0.5 if route == "prfaas" else pdp_slow),
+        link_bytes=5e4 + 500 * l if route == "prfaas" else None, tpot_s=0.02))
   return rows
 
 
@@ -145,7 +146,7 @@ def test_rebalance_step_unpins_the_split_with_several_pd_nodes():
   assert "decode_step_seconds" in pinned["calibrated"]
   seen = set()
   for pdp_slow, tpot in ((1.0, 0.002), (40.0, 0.002), (1.0, 0.5)):
-    rows = [dict(r, tpot_s=tpot) for r in _rows(pdp_slow=pdp_slow)]
+    rows = [dataclasses.replace(r, tpot_s=tpot) for r in _rows(pdp_slow=pdp_slow)]
     p = rebalance_step(rows, threshold=150, n_slots=8, link_bandwidth_bps=1e8, n_pd_nodes=4,
                        current_n_p=2)
     assert p["status"] == "ok", p
@@ -243,10 +244,10 @@ def _broker_with_records(apply: bool, pdp_slow: float):
   b.live = types.SimpleNamespace(link_bandwidth_bps=1e8, stop=lambda: None)
   b._n_slots, b.rebalance_apply = 8, apply
   for i, r in enumerate(_rows(pdp_slow=pdp_slow)):
-    rec = broker_lib.RequestRecord(request_id=f"r{i}", prompt_tokens=r["input_tokens"],
-                                   max_new_tokens=16, route=r["route"], phase="finished",
-                                   prefill_s=r["prefill_s"], generated=16,
-                                   link_bytes=int(r["link_bytes"] or 0), first_token_s=0.1,
+    rec = broker_lib.RequestRecord(request_id=f"r{i}", prompt_tokens=r.input_tokens,
+                                   max_new_tokens=16, route=r.route, phase="finished",
+                                   prefill_s=r.prefill_s, generated=16,
+                                   link_bytes=int(r.link_bytes or 0), first_token_s=0.1,
                                    total_s=0.1 + 15 * 0.002)  # TPOT 2 ms
     b._recent.append(rec)
   return b

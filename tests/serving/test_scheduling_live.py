@@ -16,9 +16,10 @@ import pytest
 
 from paas_jax.client import BrokerClient
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
-from paas_jax.scheduling import ClusterView, PrfaasRouter, RouterConfig
+from paas_jax.scheduling import (ClusterView, FinishedRequest, PrfaasRouter, RouterConfig,
+                                 rebalance_step)
 from paas_jax.serving import broker as broker_lib
-from paas_jax.serving.live_view import LiveClusterState, rebalance_step
+from paas_jax.serving.live_view import LiveClusterState
 from paas_jax.serving.routing import AdaptiveRouterPolicy
 
 from tests.serving.conftest import CONFIG, PREFIX_BLOCK, THRESHOLD
@@ -326,9 +327,10 @@ def test_rebalance_step_resolves_t_from_measurements():
   for _ in range(40):
     n = int(rng.integers(30, 600))
     route = "prfaas" if n > 150 else "pdp"
-    rows.append({"route": route, "input_tokens": n, "cached_tokens": 0, "output_tokens": 16,
-                 "prefill_s": 0.01 + 1e-4 * n * (0.5 if route == "prfaas" else 1.0),
-                 "link_bytes": 5e4 + 500 * n if route == "prfaas" else None})
+    rows.append(FinishedRequest(
+        route=route, input_tokens=n, cached_tokens=0, output_tokens=16,
+        prefill_s=0.01 + 1e-4 * n * (0.5 if route == "prfaas" else 1.0),
+        link_bytes=5e4 + 500 * n if route == "prfaas" else None))
   assert rebalance_step(rows[:3], threshold=150, n_slots=8,
                         link_bandwidth_bps=1e8)["status"].startswith("waiting")
   p = rebalance_step(rows, threshold=150, n_slots=8, link_bandwidth_bps=1e8)

@@ -250,6 +250,9 @@ class FaultPlan:
     layer_delay_s: sleep after handing each layer to the sender, so a
       transfer spans a known time (a slow prefill; room to cut the link
       mid-transfer).
+    kill_after_commits: exit the process once this many commit points of one
+      chunk-streamed transfer were acknowledged by the decode side (region A
+      dies after a commit point: the request resumes from it); 0: never.
     exit_code: status of the killed process.
   """
 
@@ -258,6 +261,7 @@ class FaultPlan:
   corrupt_chunks: int = 0
   delay_first_token_s: float = 0.0
   layer_delay_s: float = 0.0
+  kill_after_commits: int = 0
   exit_code: int = 137
   _transfers: int = dataclasses.field(default=0, repr=False)
   _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
@@ -278,7 +282,7 @@ class FaultPlan:
   @property
   def active(self) -> bool:
     return bool(self.kill_after_layers or self.corrupt_chunks or self.delay_first_token_s
-                or self.layer_delay_s)
+                or self.layer_delay_s or self.kill_after_commits)
 
   @property
   def corrupter(self) -> ChunkCorrupter:
@@ -306,6 +310,15 @@ class FaultPlan:
         and layers_sent >= self.kill_after_layers):
       log.error("fault: killing this process mid-transfer (transfer %d, %d layers sent)",
                 transfer_number, layers_sent)
+      logging.shutdown()
+      os._exit(self.exit_code)  # pylint: disable=protected-access
+
+  def on_commit(self, transfer_number: int, commit_points: int) -> None:
+    """Call when a commit point of a chunk-streamed transfer is acknowledged."""
+    if (self.kill_after_commits and transfer_number == self.kill_on_transfer
+        and commit_points >= self.kill_after_commits):
+      log.error("fault: killing this process after commit point %d of transfer %d",
+                commit_points, transfer_number)
       logging.shutdown()
       os._exit(self.exit_code)  # pylint: disable=protected-access
 

@@ -44,7 +44,12 @@ class PrefillJob:
   Callbacks run on the batcher thread: ``on_start()`` right before the batch
   computes (may raise to drop the job, e.g. a refused transfer), ``on_layer(i,
   cache)`` for each layer of the last chunk (this request's rows only, numpy),
-  ``on_done(output)`` or ``on_error(exc)`` once.
+  ``on_chunk(i, cache, start, end, row)`` for each layer of **every** chunk as
+  soon as it is computed (batched device cache, this request in ``row``, its
+  tokens ``[start, end)``; ``chunk_stream.ChunkStreamer.put``), ``on_done(output)``
+  or ``on_error(exc)`` once. ``resume = (n, state)``: continue the prompt from a
+  committed batch-1 state of its first ``n`` tokens (``PrefillEngine.prefill``);
+  such a job is prefilled on its own.
   """
 
   input: PrefillInput
@@ -52,6 +57,8 @@ class PrefillJob:
   on_error: Callable[[BaseException], None]
   on_start: Callable[[], None] | None = None
   on_layer: Callable[[int, object], None] | None = None
+  on_chunk: Callable[[int, object, int, int, int], None] | None = None
+  resume: tuple | None = None
   submitted: float = dataclasses.field(default_factory=time.perf_counter)
   cancelled: bool = False
   started: float | None = None
@@ -127,6 +134,12 @@ class PrefillBatcher:
       if getattr(self.engine, "prefix_cache", None) is not None:
         self._run_cached(batch)
         continue
+      alone = [j for j in batch if j.resume is not None]
+      if alone:
+        self._run_cached(alone)
+        batch = [j for j in batch if j.resume is None]
+        if not batch:
+          continue
       started = []
       for job in batch:
         try:
@@ -142,7 +155,8 @@ class PrefillBatcher:
         job.started = t0
       try:
         outputs = self.engine.prefill([j.input for j in started],
-                                      layer_sink=self._sink(started))
+                                      layer_sink=self._sink(started),
+                                      chunk_sink=self._chunk_sink(started))
       except BaseException as e:  # pylint: disable=broad-except
         log.exception("prefill batch failed")
         for job in started:
@@ -160,7 +174,8 @@ class PrefillBatcher:
 
   def _run_cached(self, batch: list[PrefillJob]) -> None:
     """With a prefix cache the engine prefills one prompt at a time, so each job
-    starts (``on_start``: e.g. opens its transfer) right before its own prefill."""
+    starts (``on_start``: e.g. opens its transfer) right before its own prefill.
+    Resumed jobs run this way too."""
     for job in batch:
       if job.cancelled:
         continue
@@ -173,7 +188,8 @@ class PrefillBatcher:
       t0 = time.perf_counter()
       job.started = t0
       try:
-        out = self.engine.prefill([job.input], layer_sink=self._sink([job]))[0]
+        out = self.engine.prefill([job.input], layer_sink=self._sink([job]),
+                                  chunk_sink=self._chunk_sink([job]), resume=job.resume)[0]
       except BaseException as e:  # pylint: disable=broad-except
         log.exception("cached prefill failed")
         job.on_error(e)
@@ -186,6 +202,25 @@ class PrefillBatcher:
         job.on_done(out)
       except BaseException:  # pylint: disable=broad-except
         log.exception("prefill on_done callback failed")
+
+  @staticmethod
+  def _chunk_sink(jobs: list[PrefillJob]):
+    if not any(j.on_chunk is not None for j in jobs):
+      return None
+
+    def sink(layer_idx, cache, start, n_valid):
+      for row, job in enumerate(jobs):
+        n = int(n_valid[row])
+        if job.on_chunk is None or job.cancelled or n <= 0:
+          continue
+        try:
+          job.on_chunk(layer_idx, cache, start, start + n, row)
+        except BaseException as e:  # pylint: disable=broad-except
+          # The job's stream failed; it reports the error itself at on_done.
+          log.warning("chunk [%d, %d) layer %d of %s not streamed: %r", start, start + n,
+                      layer_idx, job.input.request_id, e)
+          job.on_chunk = None
+    return sink
 
   @staticmethod
   def _sink(jobs: list[PrefillJob]):

@@ -44,6 +44,7 @@ from paas_jax.scheduling import FinishedRequest, rebalance_step
 from paas_jax.security import cli as security_cli
 from paas_jax.serving import common
 from paas_jax.serving import pd_roles
+from paas_jax.serving.resume import ResumeMetrics, ResumePolicy
 from paas_jax.serving.validation import (InvalidRequestError, RequestParams,
                                          make_sampling, validate_request)
 from paas_jax.serving.routing import (PDP, PRFAAS, AdaptiveRouterPolicy, RouteDecision,
@@ -139,6 +140,13 @@ class RequestRecord:
   delivered: list = dataclasses.field(default_factory=list)
   prefill_error: tuple | None = None
   prefill_done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  # Chunk-pipelined transfer (resume.py): the last commit point region A
+  # reported; a resumed attempt's earlier id and the prompt tokens it did not
+  # recompute (resumed_tokens) and recomputed.
+  commit_point: int = 0
+  resumed_from: str = ""
+  resumed_tokens: int = 0
+  recomputed_tokens: int = 0
 
   def elapsed(self) -> float:
     return time.perf_counter() - self.t0
@@ -156,7 +164,8 @@ class RequestRecord:
         prefill_batch_size=self.prefill_batch_size, cached_tokens=self.cached_tokens,
         prefix_source=self.prefix_source, prefix_transfer_tokens=self.prefix_transfer_tokens,
         prefix_transfer_bytes=self.prefix_transfer_bytes,
-        prefix_transfer_s=self.prefix_transfer_s)
+        prefix_transfer_s=self.prefix_transfer_s, commit_point=self.commit_point,
+        resumed_tokens=self.resumed_tokens, recomputed_tokens=self.recomputed_tokens)
 
   def to_dict(self) -> dict:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -214,6 +223,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     self.prefill_targets = list(prefill_targets)
     self.decode_targets = list(decode_targets)
     self.metrics = metrics  # paas_jax.observability.ServingMetrics or None
+    self.resume_policy = ResumePolicy(policy)
+    self.resume_metrics = ResumeMetrics(metrics.registry) if metrics is not None else None
     self.max_attempts = max(1, max_attempts)
     self._channels = [common.make_channel(t, channel_credentials, FAST_RECONNECT)
                       for t in self.prefill_targets]
@@ -605,6 +616,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     bad_prefill: set[int] = set()
     bad_decode: set[int] = set()
     attempt = 0
+    resume = None  # resume.ResumeDecision of this attempt
     while True:
       downstream_id = rec.downstream_id if attempt == 0 else f"{rec.downstream_id}~{attempt}"
       rec.attempts = attempt + 1
@@ -615,7 +627,9 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         pi = self._pick("prefill", bad_prefill)
         if pi is None:
           route = self._reroute(rec, PDP, "no healthy prefill server", fallback=True)
-      di = self._pick("decode", bad_decode)
+      di = self._pick("decode", bad_decode, prefer=resume.decode_index if resume else -1)
+      if resume is not None and di != resume.decode_index:
+        resume = None  # the node holding the commit point is gone: a full prefill
       if di is None:
         if pi is not None:
           self._release("prefill", pi)
@@ -627,6 +641,10 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         if route == PRFAAS:
           yield from self._remote_once(rec, prompt, params, calls, context, downstream_id,
                                        di, pi)
+        elif resume is not None:
+          rec.resumed_from = resume.earlier_id
+          yield from self._local(rec, prompt, params, calls, context, downstream_id, di,
+                                 resume_from=resume.earlier_id)
         else:
           yield from self._pd_prefill(rec, prompt, params, calls, context, downstream_id, di)
         return
@@ -652,9 +670,19 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
             bad_prefill.add(pi)
           others = [i for i in range(len(self.prefill_targets)) if i not in bad_prefill
                     and self.health.is_healthy(self._address("prefill", i))]
-          route = self._reroute(rec, PRFAAS if others else PDP,
-                                f"prefill/transfer failed: {e.code.name}",
-                                fallback=not others)
+          resume = self.resume_policy.decide(
+              prompt_tokens=len(prompt), commit_point=rec.commit_point,
+              earlier_id=downstream_id, decode_index=di,
+              decode_healthy=self.health.is_healthy(self._address("decode", di)),
+              other_prefill=bool(others), streamed=route == PRFAAS or rec.pd_split)
+          if resume is not None and resume.resume:
+            route = self._reroute(rec, PDP, f"prefill/transfer failed: {e.code.name}; "
+                                  f"{resume.reason}", fallback=True)
+          else:
+            resume = None
+            route = self._reroute(rec, PRFAAS if others else PDP,
+                                  f"prefill/transfer failed: {e.code.name}",
+                                  fallback=not others)
       finally:
         self._release("decode", di)
         if pi is not None:
@@ -813,12 +841,13 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     return route
 
   def _decode_request(self, rec, prompt, params, remote: bool,
-                      downstream_id: str) -> serving_pb2.DecodeRequest:
+                      downstream_id: str, resume_from: str = "") -> serving_pb2.DecodeRequest:
     return serving_pb2.DecodeRequest(
         request_id=downstream_id, model=self.config.name,
         prompt_ids=[] if remote else prompt, remote_prefill=remote, prompt_len=len(prompt),
         sampling=self._sampling_msg(params), seed=params.seed,
-        max_new_tokens=params.max_new_tokens, stop_tokens=list(params.stop_tokens))
+        max_new_tokens=params.max_new_tokens, stop_tokens=list(params.stop_tokens),
+        resume_from=resume_from)
 
   def _pd_prefill(self, rec, prompt, params, calls, context, downstream_id: str, di: int):
     """Route pdp, decoding on PD node ``di``: colocated when ``di`` also serves
@@ -853,14 +882,15 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     finally:
       release()
 
-  def _local(self, rec, prompt, params, calls, context, downstream_id: str, di: int):
+  def _local(self, rec, prompt, params, calls, context, downstream_id: str, di: int,
+             resume_from: str = ""):
     rec.pd_split = False
     rec.decode_server = self.decode_targets[di].control
     rec.prefill_server = rec.decode_server
     rec.phase = "prefilling"
     try:
       dcall = self._decode_stubs[di].Decode(
-          self._decode_request(rec, prompt, params, False, downstream_id),
+          self._decode_request(rec, prompt, params, False, downstream_id, resume_from),
           timeout=common.remaining_s(context), metadata=request_metadata(rec.request_id))
     except grpc.RpcError as e:
       raise self._downstream_error(rec, e, "decode server") from None
@@ -941,6 +971,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
           dstub.Handoff(serving_pb2.HandoffRequest(request_id=downstream_id,
                                                    first_token=ft.token_id),
                         timeout=common.CONTROL_TIMEOUT_S, metadata=md)
+        elif ev.HasField("commit"):
+          rec.commit_point = max(rec.commit_point, ev.commit.tokens)
         elif ev.HasField("done"):
           d = ev.done
           rec.transfer_s, rec.link_bytes, rec.state_bytes = (d.transfer_s, d.bytes_sent,
@@ -993,6 +1025,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
             rec.prefill_s, rec.prefill_queue_s = ev.prefill_s, ev.prefill_queue_s
             rec.prefill_batch_size = ev.prefill_batch_size
             rec.cached_tokens = ev.prefill_cached_tokens
+          if rec.resumed_from:
+            self._resumed(rec, ev.resumed_tokens)
           continue
         tokens = list(ev.token_ids)
         while replay and tokens:
@@ -1039,6 +1073,16 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     if rec.client_gone:
       return
     raise _Abort(Code.INTERNAL, "decode stream ended without finishing the request")
+
+  def _resumed(self, rec: RequestRecord, resumed_tokens: int) -> None:
+    """A resumed attempt got its slot: record the prompt tokens it did not recompute."""
+    rec.resumed_tokens = int(resumed_tokens)
+    rec.recomputed_tokens = rec.prompt_tokens - rec.resumed_tokens
+    self.counters["resumed"] += int(resumed_tokens > 0)
+    self.counters["resume_saved_tokens"] += rec.resumed_tokens
+    self.counters["resume_recomputed_tokens"] += rec.recomputed_tokens
+    if self.resume_metrics is not None:
+      self.resume_metrics.observe(rec.route, rec.resumed_tokens, rec.recomputed_tokens)
 
   # -- stats ----------------------------------------------------------------------
 

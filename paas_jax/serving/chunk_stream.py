@@ -121,6 +121,10 @@ class SegmentRecord:
   bytes_sent: int = 0
   first_byte_s: float | None = None
   committed_s: float | None = None
+  state_bytes: int = 0
+  begin_s: float | None = None
+  resent_chunks: int = 0
+  code: str = ""             # gRPC status name of a failed segment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +146,25 @@ class StreamResult:
   def bytes_sent(self) -> int:
     return sum(s.bytes_sent for s in self.segments)
 
+  num_streams: int = 0
+  receiver_ready_s: float = 0.0
+
+  @property
+  def state_bytes(self) -> int:
+    return sum(s.state_bytes for s in self.segments if s.ok)
+
+  @property
+  def resent_chunks(self) -> int:
+    return sum(s.resent_chunks for s in self.segments)
+
+  @property
+  def duration_s(self) -> float:
+    """First segment's Begin to the last Commit (0 if nothing committed)."""
+    begins = [s.begin_s for s in self.segments if s.begin_s is not None]
+    if not begins or self.last_commit_s is None:
+      return 0.0
+    return max(0.0, self.last_commit_s - min(begins))
+
 
 _CLOSE = object()
 
@@ -159,12 +182,18 @@ class ChunkStreamer:
     max_pending: queued layer slices before ``put`` blocks (flow control).
     on_commit: called with the new commit point (tokens) each time it grows.
     start_token: first token streamed (a resumed prefill starts at its commit point).
+    first_index: index of the first segment (default ``start_token // chunk``).
+
+  Segment indices follow the order in which chunks first reach ``put`` (so a
+  cached prefix handed over as one chunk ``[0, reused)`` is segment 0 and the
+  computed chunks after it 1, 2, ...); commit segments are every
+  ``commit_every``-th index and the prompt's last chunk.
   """
 
   def __init__(self, sender, config: ModelConfig, request_id: str, prompt_len: int, *,
                chunk: int, commit_every: int = 1, codec=None, max_pending: int = 64,
                on_commit: Callable[[int], None] | None = None, start_token: int = 0,
-               finishers: int = 2):
+               finishers: int = 2, first_index: int | None = None):
     if commit_every < 1 or chunk < 1:
       raise ValueError("ChunkStreamer: chunk and commit_every must be >= 1")
     self.sender, self.config = sender, config
@@ -177,7 +206,9 @@ class ChunkStreamer:
     self._records: dict[int, SegmentRecord] = {}
     self._failed_from: int | None = None   # first segment that failed: no commit past it
     self._commit_point = start_token
-    self._start_index = start_token // chunk
+    self._start_index = start_token // chunk if first_index is None else first_index
+    self._index_of: dict[int, int] = {}   # chunk start -> segment index (prefill thread)
+    self._next_index = self._start_index
     self._aborted = False
     self._error: BaseException | None = None
     self._pool = futures.ThreadPoolExecutor(max_workers=finishers,
@@ -190,7 +221,10 @@ class ChunkStreamer:
   # -- prefill thread ----------------------------------------------------------------
 
   def segment(self, start: int, end: int) -> SegmentId:
-    index = start // self.chunk
+    index = self._index_of.get(start)
+    if index is None:
+      index = self._index_of[start] = self._next_index
+      self._next_index += 1
     commit = end >= self.prompt_len or (index + 1) % self.commit_every == 0
     return SegmentId(self.request_id, index, start, end, commit)
 
@@ -240,7 +274,7 @@ class ChunkStreamer:
           self._pending.append(self._pool.submit(self._finish, seg, tx))
       except BaseException as e:  # pylint: disable=broad-except
         log.warning("segment %s not sent: %r", seg.wire(), e)
-        self._fail(seg, repr(e))
+        self._fail(seg, repr(e), code=getattr(e, "code", None))
         entry = open_tx.pop(seg.index, None)
         if entry is not None:
           entry[0].abort(f"segment failed: {e!r}")
@@ -252,23 +286,27 @@ class ChunkStreamer:
       result = tx.finish()
     except BaseException as e:  # pylint: disable=broad-except
       log.warning("segment %s failed: %r", seg.wire(), e)
-      self._fail(seg, getattr(e, "message", repr(e)), tx)
+      self._fail(seg, getattr(e, "message", repr(e)), tx, code=getattr(e, "code", None))
       return
     tl = result.timeline
     with self._lock:
       self._records[seg.index] = SegmentRecord(seg, True, bytes_sent=tl.bytes_sent,
                                                first_byte_s=tl.first_byte_s,
-                                               committed_s=tl.end_s)
+                                               committed_s=tl.end_s,
+                                               state_bytes=tl.state_bytes,
+                                               begin_s=tl.start_s,
+                                               resent_chunks=tl.resent_chunks)
       advanced = self._advance()
     if advanced and self.on_commit is not None:
       self.on_commit(self._commit_point)
 
-  def _fail(self, seg: SegmentId, message: str, tx=None) -> None:
+  def _fail(self, seg: SegmentId, message: str, tx=None, code=None) -> None:
     tl = tx.timeline() if tx is not None else None
     with self._lock:
       self._records[seg.index] = SegmentRecord(
           seg, False, error=message, bytes_sent=tl.bytes_sent if tl else 0,
-          first_byte_s=tl.first_byte_s if tl else None)
+          first_byte_s=tl.first_byte_s if tl else None,
+          code=getattr(code, "name", "") if code is not None else "")
       if self._failed_from is None or seg.index < self._failed_from:
         self._failed_from = seg.index
 
@@ -298,13 +336,19 @@ class ChunkStreamer:
     self._thread.join(timeout_s)
     futures.wait(list(self._pending), timeout=timeout_s)
     self._pool.shutdown(wait=False)
+    return self.timeline()
+
+  def timeline(self) -> StreamResult:
+    """What landed so far (``close`` waits for the rest first)."""
     with self._lock:
       records = tuple(self._records[i] for i in sorted(self._records))
       point = self._commit_point
     firsts = [r.first_byte_s for r in records if r.first_byte_s is not None]
     commits = [r.committed_s for r in records if r.ok and r.committed_s is not None]
+    options = getattr(self.sender, "options", None)
     return StreamResult(self.request_id, self.prompt_len, point, records,
-                        min(firsts) if firsts else None, max(commits) if commits else None)
+                        min(firsts) if firsts else None, max(commits) if commits else None,
+                        num_streams=int(getattr(options, "num_streams", 0) or 0))
 
   def abort(self) -> None:
     """Region A goes away: nothing more is sent (open segments are aborted)."""

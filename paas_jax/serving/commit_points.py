@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -166,3 +166,14 @@ def recomputed_tokens(prompt_len: int, resumed_from: int) -> dict[str, Any]:
   """Per-request accounting of a resume: prompt tokens recomputed and saved."""
   return {"resumed_from": int(resumed_from), "recomputed_tokens": prompt_len - resumed_from,
           "saved_tokens": int(resumed_from)}
+
+
+def resume_point(assembler: SegmentAssembler, earlier_id: str, prompt: Sequence[int],
+                 earlier_prompt_len: int | None) -> tuple[int, DecodeState] | None:
+  """(n, batch-1 host state of the prompt's first n tokens) to continue from, or
+  None (full prefill): no commit point, or the earlier attempt was registered
+  for another prompt length (not the same request)."""
+  if earlier_prompt_len is None or earlier_prompt_len != len(prompt):
+    return None
+  n, state = assembler.committed_state(earlier_id, below=len(prompt))
+  return (n, state) if n and state is not None else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import threading
 import time
 
 import grpc
@@ -26,6 +27,8 @@ from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.serving import cli, common, prefix_transfer
 from paas_jax.serving.batching import (DecodeJob, DecodeScheduler, PrefillBatcher, PrefillJob,
                                        QueueFullError)
+from paas_jax.serving.chunk_stream import SegmentId, is_segment_transfer, segment_template
+from paas_jax.serving.commit_points import SegmentAssembler, resume_point
 from paas_jax.serving.engine import (DecodeEngine, EngineConfig, EngineError, InvalidRequestError,
                                      PrefillEngine, PrefillInput, RequestParams,
                                      check_request_identity, make_sampling, validate_request)
@@ -33,6 +36,8 @@ from paas_jax.serving.engine import (DecodeEngine, EngineConfig, EngineError, In
 log = logging.getLogger("paas_jax.serving.decode")
 
 SERVICE = "paas_jax.serving.v1.Decode"
+# Segments of a request whose attempt failed are kept this long for a resume.
+SEGMENT_TTL_S = 300.0
 # Also served on the control port: Prefill, for acting as PD-P of another PD node.
 PREFILL_SERVICE = "paas_jax.serving.v1.Prefill"
 
@@ -83,9 +88,28 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
                                       prefix_exporter=self.prefix_exporter,
                                       prefix_importer=self.prefix_importer)
 
+    # Chunk-streamed states ("seg:" ids, chunk_stream): committed segments are
+    # assembled into commit points; the request's state is ready once its
+    # commit point is the whole prompt. Segments of a request whose attempt
+    # failed stay for SEGMENT_TTL_S, for a resume (Decode.resume_from).
+    self.assembler = SegmentAssembler(cfg)
+    self._seg_lock = threading.Lock()
+    self._seg_prompt_len: dict[str, int] = {}   # remote request -> prompt tokens
+    self._seg_seen: dict[str, float] = {}       # request -> last segment / use (monotonic)
+    self._seg_done: set[str] = set()
+    self.segments_in = 0
+    self.resumes = 0
+    self.resumed_tokens = 0
+
     def template(info):
       if prefix_transfer.is_prefix_transfer(info.transfer_id):
         return self.prefix_importer.template(info)
+      if is_segment_transfer(info.transfer_id):
+        seg = SegmentId.parse(info.transfer_id)
+        if seg.end > self.engine.max_ctx:
+          raise InvalidRequestError(f"segment {info.transfer_id} ends past the context of "
+                                    f"{self.engine.max_ctx} tokens")
+        return segment_template(cfg, seg), None
       return abstract_state(cfg, 1, round_up(max(info.token_count, 1))), None
     self.receiver = StateReceiver(
         models={cfg.name: cfg.fingerprint()}, template=template,
@@ -108,6 +132,18 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
 
   def _local_prefill(self, job: DecodeJob) -> None:
     submitted = time.perf_counter()
+    resume = None
+    resume_from = job.info.pop("_resume_from", "")
+    if resume_from:
+      with self._seg_lock:
+        earlier_len = self._seg_prompt_len.get(resume_from)
+      resume = resume_point(self.assembler, resume_from, job.prompt, earlier_len)
+      self.assembler.drop(resume_from)
+      self._forget_segments(resume_from)
+      job.info["resumed_tokens"] = resume[0] if resume else 0
+      if resume:
+        self.resumes += 1
+        self.resumed_tokens += resume[0]
 
     def on_done(out):
       job.info["prefill_queue_s"] = max(0.0, out_started[0] - submitted)
@@ -117,7 +153,8 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     pjob = PrefillJob(
         input=PrefillInput(job.request_id, job.prompt, job.params), on_done=on_done,
         on_error=lambda e: self.scheduler.fail(job.request_id, grpc.StatusCode.INTERNAL,
-                                               f"local prefill failed: {e}"))
+                                               f"local prefill failed: {e}"),
+        resume=resume)
     pjob.on_start = lambda: out_started.__setitem__(0, time.perf_counter())
     job.info["_prefill_job"] = pjob
     self.batcher.submit(pjob)
@@ -127,6 +164,9 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     if prefix_transfer.is_prefix_transfer(rid):
       self.prefix_importer.on_ready(received)
       return
+    if is_segment_transfer(rid):
+      self._on_segment(received)
+      return
     self.transfers_in += 1
     self.transfer_bytes_in += received.manifest.nbytes
     if self.metrics is not None:
@@ -135,9 +175,57 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
                                         {"state_bytes": received.manifest.nbytes}):
       log.info("dropping the state of %s: the request is gone", rid)
 
+  def _on_segment(self, received) -> None:
+    """A verified segment: keep it; hand the state over once the commit point is
+    the whole prompt. A segment that does not match its id raises (the
+    sender's Commit fails: that segment never counts)."""
+    seg = self.assembler.add(received.info.transfer_id, received.state)
+    rid = seg.request_id
+    self.segments_in += 1
+    self.transfer_bytes_in += received.manifest.nbytes
+    with self._seg_lock:
+      self._seg_seen[rid] = time.monotonic()
+      prompt_len = self._seg_prompt_len.get(rid)
+      complete = (prompt_len is not None and rid not in self._seg_done
+                  and self.assembler.commit_point(rid) >= prompt_len)
+      if complete:
+        self._seg_done.add(rid)
+    self._gc_segments()
+    if not complete:
+      return
+    n, state = self.assembler.committed_state(rid)
+    self.assembler.drop(rid)
+    self.transfers_in += 1
+    if self.metrics is not None:
+      self.metrics.link_transfers.labels("A->B", "received").inc()
+    if not self.scheduler.provide_state(rid, state, {"commit_point": n}):
+      log.info("dropping the state of %s: the request is gone", rid)
+
+  def _forget_segments(self, rid: str) -> None:
+    with self._seg_lock:
+      self._seg_prompt_len.pop(rid, None)
+      self._seg_seen.pop(rid, None)
+      self._seg_done.discard(rid)
+
+  def _gc_segments(self) -> None:
+    """Drops the segments of requests idle past SEGMENT_TTL_S (no resume came)."""
+    now = time.monotonic()
+    with self._seg_lock:
+      old = [r for r, t in self._seg_seen.items() if now - t > SEGMENT_TTL_S]
+    for rid in old:
+      self.assembler.drop(rid)
+      self._forget_segments(rid)
+
   def _on_transfer_failure(self, transfer_id: str, code, message: str) -> None:
     if prefix_transfer.is_prefix_transfer(transfer_id):
       self.prefix_importer.on_failure(transfer_id, code, message)
+      return
+    if is_segment_transfer(transfer_id):
+      # No commit point at or past it; the prefill side reports the failure
+      # to the broker, which resumes from the last commit point (resume.py).
+      self.assembler.reject(transfer_id)
+      if self.metrics is not None:
+        self.metrics.link_transfers.labels("A->B", "receive_failed").inc()
       return
     if self.metrics is not None:
       self.metrics.link_transfers.labels("A->B", "receive_failed").inc()
@@ -164,10 +252,15 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         prompt = tuple(request.prompt_ids) or (0,) * prompt_len
         validate_request(self.config, prompt, params, self.engine.max_ctx)
         job = DecodeJob(request.request_id, params, prompt_len, remote=True)
+        with self._seg_lock:
+          self._seg_prompt_len[request.request_id] = prompt_len
+          self._seg_seen[request.request_id] = time.monotonic()
       else:
         prompt = tuple(int(t) for t in request.prompt_ids)
         validate_request(self.config, prompt, params, self.engine.max_ctx)
         job = DecodeJob(request.request_id, params, len(prompt), remote=False, prompt=prompt)
+        if request.resume_from:
+          job.info["_resume_from"] = request.resume_from
       position = self.scheduler.submit(job)
     except InvalidRequestError as e:
       context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -207,6 +300,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         out.prefill_queue_s = float(info.get("prefill_queue_s", 0.0))
         out.prefill_batch_size = int(info.get("prefill_batch_size", 0))
         out.prefill_cached_tokens = int(info.get("prefill_cached_tokens", 0))
+        out.resumed_tokens = int(info.get("resumed_tokens", 0))
         yield out
         continue
       tokens = list(ev.tokens) if ev.kind == "tokens" else []
@@ -257,6 +351,8 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
              transfer_bytes_in=self.transfer_bytes_in,
              receiver_bytes_in_use=self.receiver.bytes_in_use,
              receiver_active_transfers=len(self.receiver.active_transfers()),
+             segments_in=self.segments_in, segment_requests=len(self.assembler.requests()),
+             resumes=self.resumes, resumed_tokens=self.resumed_tokens,
              uptime_s=time.time() - self.started)
     s.update(common.probe_gauges(self.prefill_engine, request, context))
     s.update(self.prefix_importer.gauges())

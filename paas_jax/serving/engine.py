@@ -322,30 +322,71 @@ class PrefillEngine:
         as soon as it is computed: batched device cache, the chunk's first token
         ``start`` and int32 [batch] valid tokens per row (``chunk_stream``).
       resume: ``(n, state)``: continue one prompt from a committed batch-1 state
-        holding its first ``n`` tokens (``n`` a multiple of ``prefill_chunk``, so
-        the chunks are those of an uninterrupted prefill: token-exact).
+        holding its first ``n`` tokens, in chunks ``[n + k * prefill_chunk, ...)``.
+        Token-exact against an uninterrupted prefill that followed the same chunk
+        grid: any ``n`` that was a chunk end of it (a commit point), e.g. a
+        multiple of ``prefill_chunk``, or ``reused + k * chunk`` after a prefix
+        cache hit of ``reused`` tokens (``_prefill_cached_streaming``).
+
+    With the prefix cache and ``chunk_sink`` (one prompt), the cached prefix is
+    restored and streamed first (``_prefill_cached_streaming``); with ``resume``
+    the prefix cache is not consulted.
     """
     if not inputs:
       return []
-    if chunk_sink is not None or resume is not None:
-      if len(inputs) != 1 and resume is not None:
-        raise ValueError("resume takes one prompt per call")
-      if resume is not None and (resume[0] % self.config.prefill_chunk
-                                 or not 0 <= resume[0] < len(inputs[0].prompt)):
-        raise InvalidRequestError(f"resume point {resume[0]} is not a chunk boundary "
-                                  f"inside the prompt of {len(inputs[0].prompt)} tokens")
-      with self._lock:
-        return self._prefill(list(inputs), layer_sink, chunk_sink, resume)
     if len(inputs) > self.config.prefill_max_batch:
       raise ValueError(f"at most {self.config.prefill_max_batch} prompts per prefill batch")
     for x in inputs:
       if not 0 < len(x.prompt) < self.max_ctx:
         raise InvalidRequestError(f"prompt of {len(x.prompt)} tokens; this engine prefills "
                                   f"1 to {self.max_ctx - 1}")
+    if resume is not None:
+      if len(inputs) != 1:
+        raise ValueError("resume takes one prompt per call")
+      if not 0 <= resume[0] < len(inputs[0].prompt):
+        raise InvalidRequestError(f"resume point {resume[0]} is not inside the prompt of "
+                                  f"{len(inputs[0].prompt)} tokens")
+      with self._lock:
+        return self._prefill(list(inputs), layer_sink, chunk_sink, resume)
     with self._lock:
       if self.prefix_cache is not None:
+        if chunk_sink is not None:
+          if len(inputs) != 1:
+            raise ValueError("a chunk sink with the prefix cache takes one prompt per call")
+          return [self._prefill_cached_streaming(inputs[0], layer_sink, chunk_sink)]
         return self._prefill_cached(list(inputs), layer_sink)
-      return self._prefill(list(inputs), layer_sink)
+      return self._prefill(list(inputs), layer_sink, chunk_sink)
+
+  def _prefill_cached_streaming(self, x: PrefillInput, layer_sink, chunk_sink) -> PrefillOutput:
+    """Chunk-streamed prefill of one prompt through the prefix cache.
+
+    The longest cached prefix ``[0, reused)`` is restored and handed to
+    ``chunk_sink`` first as one chunk (cached blocks are sent like computed
+    ones: the decode side needs them); the rest is prefilled in
+    ``prefill_chunk`` chunks continuing from it (the grid ``reused + k *
+    chunk``, so a resume from any commit point follows the same chunks).
+    Chunk ends on a block boundary (all of them when the chunk is a multiple of
+    the block) go into the prefix cache, shared (no owner): the next prompt
+    with this prefix reuses them.
+    """
+    self._drain_releases()
+    tokens = list(x.prompt)
+    reused, cached = self.prefix_cache.lookup(tokens, capacity=self.capacity)
+    self.prefix_prompts += 1
+    self.prefix_prompts_hit += int(reused > 0)
+    self.prefix_reused_tokens += int(reused)
+    block = self.prefix_cache.block_size
+
+    def on_chunk_state(end: int, state: DecodeState) -> None:
+      if end % block == 0 and end < len(tokens):
+        row = jax.tree_util.tree_map(lambda a: a[0:1], state)
+        self.prefix_cache.insert(tokens[:end], row)
+    out = self._prefill([x], layer_sink, chunk_sink,
+                        (reused, cached) if reused else None, on_chunk_state=on_chunk_state,
+                        send_resumed=True)[0]
+    out.cached_tokens = int(reused)
+    self._drain_releases()
+    return out
 
   def _prefill_cached(self, inputs: list[PrefillInput], layer_sink) -> list[PrefillOutput]:
     """One prompt at a time through ``api.cached_prefill`` (exact, see the model tests).
@@ -395,7 +436,13 @@ class PrefillEngine:
     return next(b for b in self.config.prefill_buckets if b >= size)
 
   def _prefill(self, inputs: list[PrefillInput], layer_sink, chunk_sink=None,
-               resume=None) -> list[PrefillOutput]:
+               resume=None, *, on_chunk_state=None,
+               send_resumed: bool = False) -> list[PrefillOutput]:
+    """The chunked prefill (``prefill``'s arguments); ``on_chunk_state(end,
+    state)`` after every chunk (batched device state, row 0 holds ``end``
+    tokens); ``send_resumed``: hand the resumed prefix ``[0, n)`` to
+    ``chunk_sink`` as one chunk before computing (a cache hit that must still
+    travel)."""
     t0 = time.perf_counter()
     cfg, model = self.config, self.model
     n = len(inputs)
@@ -410,6 +457,11 @@ class PrefillEngine:
     start = 0
     if resume is not None:
       start, state = resume[0], _with_row(state, resume[1], resume[0])
+      if send_resumed and chunk_sink is not None and start:
+        n_cached = np.zeros((batch,), np.int32)
+        n_cached[0] = start
+        for layer_idx, cache in enumerate(state.layers):
+          chunk_sink(layer_idx, cache, 0, n_cached)
     last_rows = np.zeros((n, model.config.vocab_size), np.float32)
     while start < longest:
       size = min(cfg.prefill_chunk, longest - start)
@@ -425,6 +477,8 @@ class PrefillEngine:
         if chunk_sink is not None:
           chunk_sink(layer_idx, cache, start, n_valid)
       state = lw.state
+      if on_chunk_state is not None:
+        on_chunk_state(start + size, state)
       ends = lens[:n] - 1 - start
       rows = [i for i in range(n) if 0 <= ends[i] < size]
       if rows:

@@ -34,6 +34,7 @@ from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.serving import cli, common
 from paas_jax.serving.prefix_transfer import PrefixExporter, PrefixImporter
 from paas_jax.serving.batching import PrefillBatcher, PrefillJob
+from paas_jax.serving.chunk_stream import ChunkStreamer, StreamResult
 from paas_jax.serving.engine import (EngineConfig, EngineError, InvalidRequestError,
                                      PrefillEngine, PrefillInput, RequestParams,
                                      check_request_identity, make_sampling, validate_request)
@@ -49,7 +50,8 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
                sender_options=None, codec=None,
                channel_credentials: grpc.ChannelCredentials | None = None,
                max_queue: int = 64, metrics=None, faults=None, engine=None, batcher=None,
-               link_label: str = "A->B", prefix_exporter=None, prefix_importer=None):
+               link_label: str = "A->B", prefix_exporter=None, prefix_importer=None,
+               stream_chunks: bool = True, commit_every: int = 2):
     """``engine``/``batcher``: serve Prefill from an existing PrefillEngine and
     its PrefillBatcher (a PD node acting as PD-P for another PD node shares its
     own engine and prefix cache instead of loading a second copy). ``link_label``
@@ -58,7 +60,10 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     engine (a PD node has one already); None builds region A's, whose
     exporter shares this servicer's link gauges (``link_counters``: every
     sender of this servicer reports what it has pending on and has sent over
-    ``link_label``; GetStats ``link_*``)."""
+    ``link_label``; GetStats ``link_*``). ``stream_chunks``: every prefill
+    chunk leaves as a segment as soon as it is computed (``chunk_stream``),
+    with a commit point every ``commit_every`` chunks; False: one transfer
+    whose layers leave while the last chunk is computed."""
     from paas_jax.codec import CodecOptions  # pylint: disable=g-import-not-at-top
     from paas_jax.transport import LinkCounters, SenderOptions  # pylint: disable=g-import-not-at-top
     self.model = model
@@ -69,6 +74,10 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     self.batcher = (batcher if batcher is not None
                     else PrefillBatcher(self.engine, batch_window_s, name="prfaas"))
     self.link_label = link_label
+    if commit_every < 1:
+      raise ValueError(f"commit_every must be >= 1, got {commit_every}")
+    self.stream_chunks = stream_chunks
+    self.commit_every = commit_every
     self.link_counters = LinkCounters(link_label)
     self.codec = codec or CodecOptions()
     self.sender_options = sender_options or SenderOptions(num_streams=2,
@@ -158,16 +167,35 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
       if self.faults is not None:
         holder["transfer_no"] = self.faults.transfer_started()
       sender = self._sender(request.decode_target)
-      holder["tx"] = sender.begin(model_id=cfg.name, config_fingerprint=cfg.fingerprint(),
-                                  num_layers=cfg.n_layers, lengths=[len(prompt)], codec=codec,
-                                  transfer_id=rid)
+      if self.stream_chunks:
+        holder["tx"] = ChunkStreamer(sender, cfg, rid, len(prompt),
+                                     chunk=self.engine.config.prefill_chunk,
+                                     commit_every=self.commit_every, codec=codec,
+                                     on_commit=on_commit)
+      else:
+        holder["tx"] = sender.begin(model_id=cfg.name, config_fingerprint=cfg.fingerprint(),
+                                    num_layers=cfg.n_layers, lengths=[len(prompt)],
+                                    codec=codec, transfer_id=rid)
       holder["queue_s"] = time.perf_counter() - submitted
 
-    def on_layer(i, cache):
-      holder["tx"].send_layer(i, cache)
+    def layer_fault():
       if self.faults is not None:
         holder["layers_sent"] = holder.get("layers_sent", 0) + 1
         self.faults.on_layer(holder["transfer_no"], holder["layers_sent"])
+
+    def on_layer(i, cache):
+      holder["tx"].send_layer(i, cache)
+      layer_fault()
+
+    def on_chunk(i, cache, start, end, row):
+      holder["tx"].put(i, cache, start, end, row)
+      layer_fault()
+
+    def on_commit(tokens):
+      holder["commits"] = holder.get("commits", 0) + 1
+      events.put(("commit", tokens, holder["commits"]))
+      if self.faults is not None:
+        self.faults.on_commit(holder["transfer_no"], holder["commits"])
 
     def on_done(out):
       events.put(("first", out))
@@ -177,7 +205,10 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
       tx = holder.get("tx")
       try:
         try:
-          result = tx.finish()
+          if self.stream_chunks:
+            result = _stream_outcome(tx.close(), request.decode_target)
+          else:
+            result = tx.finish()
         finally:
           # Prefix-cache entries made only for this transfer go once it is over.
           self._release_prefix(rid)
@@ -207,7 +238,9 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
 
     def on_error(e):
       tx = holder.get("tx")
-      if tx is not None:
+      if isinstance(tx, ChunkStreamer):
+        tx.abort()
+      elif tx is not None:
         tx.abort(f"prefill failed: {e!r}")
       if isinstance(e, TransferError):
         self.counters["transfers_failed"] += 1
@@ -225,16 +258,20 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
       else:
         events.put(("error", grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}"))
 
-    owner = rid if self.engine.prefix_cache is not None else None
+    owner = (rid if self.engine.prefix_cache is not None and not self.stream_chunks
+             else None)
     job = PrefillJob(input=PrefillInput(rid, prompt, params, cache_owner=owner),
-                     on_done=on_done,
-                     on_error=on_error, on_start=on_start, on_layer=on_layer)
+                     on_done=on_done, on_error=on_error, on_start=on_start,
+                     on_layer=None if self.stream_chunks else on_layer,
+                     on_chunk=on_chunk if self.stream_chunks else None)
 
     def on_rpc_done():
       if "finished" not in holder:
         job.cancelled = True
         tx = holder.get("tx")
-        if tx is not None:
+        if isinstance(tx, ChunkStreamer):
+          tx.abort()
+        elif tx is not None:
           tx.abort("the broker cancelled the request")
         self.counters["cancelled"] += 1
     context.add_callback(on_rpc_done)
@@ -261,7 +298,10 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
       if kind == "error":
         holder["finished"] = True
         context.abort(rest[0], rest[1])
-      if kind == "first":
+      if kind == "commit":
+        yield serving_pb2.PrefillEvent(commit=serving_pb2.CommitPoint(tokens=rest[0],
+                                                                      segments=rest[1]))
+      elif kind == "first":
         out = rest[0]
         if self.faults is not None:
           self.faults.before_first_token()
@@ -307,6 +347,27 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
                          "codec": self.codec.to_dict(), "link": self.link_counters.report()}))
 
 
+@dataclasses.dataclass(frozen=True)
+class _StreamOutcome:
+  """A whole chunk-streamed prompt as one transfer (what TransferDone reports)."""
+
+  timeline: StreamResult
+
+
+def _stream_outcome(result: StreamResult, target: str) -> _StreamOutcome:
+  """Raises ``TransferError`` (the first failed segment's code) unless every
+  segment committed, i.e. the decode side holds the whole prompt."""
+  from paas_jax.transport import TransferError  # pylint: disable=g-import-not-at-top
+  if result.ok:
+    return _StreamOutcome(result)
+  failed = [r for r in result.segments if not r.ok]
+  code = grpc.StatusCode[failed[0].code] if failed and failed[0].code else (
+      grpc.StatusCode.UNAVAILABLE)
+  why = failed[0].error if failed else "the stream ended before the last segment"
+  raise TransferError(code, f"segment stream to {target} stopped at commit point "
+                      f"{result.commit_point} of {result.prompt_len} tokens: {why}")
+
+
 class PrefillServer:
   """A running prefill server: the control port and, if started with one, the
   transfer port (``transfer``, a ``ReceiverServer``) that imports PD nodes'
@@ -334,7 +395,8 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
           credentials: grpc.ServerCredentials | None = None, interceptors=(),
           channel_credentials: grpc.ChannelCredentials | None = None,
           security=None, metrics=None, faults=None, max_queue: int = 64,
-          warmup: bool = True, transfer_port: int | None = None) -> PrefillServer:
+          warmup: bool = True, transfer_port: int | None = None,
+          stream_chunks: bool = True, commit_every: int = 2) -> PrefillServer:
   """Starts the Prefill service.
 
   ``security`` (a ``paas_jax.security.ServiceSecurity`` of role prefill)
@@ -346,6 +408,7 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
   ``transfer_port`` (None: none) opens a StateTransfer port that only takes
   cross-cluster prefix transfers ("prefix:" ids) into the prefix cache; with
   ``security``, only decode servers may push there (``service_rules``).
+  ``stream_chunks`` / ``commit_every``: see ``PrefillServicer``.
   """
   from paas_jax.security.hooks import server_interceptors  # pylint: disable=g-import-not-at-top
   if security is not None:
@@ -356,7 +419,8 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
   servicer = PrefillServicer(model, engine_config, batch_window_s=batch_window_s, codec=codec,
                              sender_options=sender_options,
                              channel_credentials=channel_credentials, max_queue=max_queue,
-                             metrics=metrics, faults=faults)
+                             metrics=metrics, faults=faults, stream_chunks=stream_chunks,
+                             commit_every=commit_every)
   control = common.start_server(
       f"{host}:{port}", lambda s: serving_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
       credentials=credentials, services=[SERVICE], max_workers=128,
@@ -401,7 +465,8 @@ def main(argv):
                  sender_options=SenderOptions(num_streams=FLAGS.transfer_streams),
                  security=security, metrics=metrics,
                  faults=faults if faults.active else None, max_queue=FLAGS.max_queue,
-                 transfer_port=FLAGS.transfer_port)
+                 transfer_port=FLAGS.transfer_port, stream_chunks=FLAGS.stream_chunks,
+                 commit_every=FLAGS.commit_every)
   common.write_ready_file(FLAGS.ready_file, {
       "pid": os.getpid(), "port": server.control.port, "model": model.config.name,
       "transfer_port": server.transfer.port,
@@ -419,4 +484,8 @@ if __name__ == "__main__":
   flags.DEFINE_integer("transfer_streams", 2, "Parallel Push streams per transfer.")
   flags.DEFINE_integer("transfer_port", 0, "StateTransfer port for prefixes shipped from PD "
                        "nodes (cross-cluster prefix cache; 0: pick a free one).")
+  flags.DEFINE_bool("stream_chunks", True, "Stream every prefill chunk as a segment as soon "
+                    "as it is computed (commit points, resume); false: one transfer per "
+                    "prompt, layers of the last chunk pipelined.")
+  flags.DEFINE_integer("commit_every", 2, "Chunks per commit point (stream_chunks).")
   app.run(main)

@@ -21,10 +21,11 @@ import collections
 import dataclasses
 import logging
 import queue
+import ssl
 import threading
 import time
 from concurrent import futures
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
@@ -37,6 +38,9 @@ from paas_jax.codec.options import CodecOptions
 from paas_jax.codec.store import MemoryStore, crc32c
 from paas_jax.proto import transport_pb2, transport_pb2_grpc
 from paas_jax.transport import channels
+from paas_jax.transport.dataplane.interface import TransferRefused
+from paas_jax.transport.dataplane.server import DataPlaneServer
+from paas_jax.transport.dataplane.tuning import Tuning
 from paas_jax.transport.timeline import ReceiveTimeline
 
 log = logging.getLogger(__name__)
@@ -234,6 +238,8 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
     self._reaper = threading.Thread(target=self._reap_loop, name="state-rx-reaper",
                                     daemon=True)
     self._reaper.start()
+    # Set by serve_receiver when it also starts a TCP data plane.
+    self.data_plane_port = 0
 
   # -- introspection (scheduler, tests) ------------------------------------------
 
@@ -402,7 +408,8 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
       t.reserved = reserve
       self._reserved_total += reserve
       self._active[tid] = t
-    return transport_pb2.BeginResponse(max_frame_bytes=self.options.max_message_bytes)
+    return transport_pb2.BeginResponse(max_frame_bytes=self.options.max_message_bytes,
+                                       data_plane_port=self.data_plane_port)
 
   def Push(self, request_iterator, context):
     t: _Inbound | None = None
@@ -500,7 +507,11 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
   def _on_chunk(self, t: _Inbound, c) -> tuple[str | None, int]:
     """Stores a chunk if it verifies; returns (why it was rejected or None, bytes)."""
     # Every access to a protobuf bytes field copies it: read it once.
-    layer, key, data = c.layer_index, c.key, c.data
+    return self._accept_chunk(t, c.layer_index, c.key, c.crc32c, c.nbytes, c.data)
+
+  def _accept_chunk(self, t: _Inbound, layer: int, key: str, crc: int, nbytes: int,
+                    data) -> tuple[str | None, int]:
+    """Verifies one object (gRPC frame or data-plane buffer) and keeps ``data``."""
     reason = None
     if not GLOBAL_LAYER_INDEX <= layer < t.info.num_layers:
       reason = f"layer {layer} outside the {t.info.num_layers} layers announced by Begin"
@@ -508,13 +519,13 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
       reason = f"key is not under {layout.layer_prefix(layer)}/"
     elif layer < 0 and key.startswith("layers/"):
       reason = "state-level chunk with a layer key"
-    elif len(data) != c.nbytes:
-      reason = (f"truncated: {len(data)} of {c.nbytes} bytes" if len(data) < c.nbytes
-                else f"size mismatch: {len(data)} bytes, frame says {c.nbytes}")
+    elif len(data) != nbytes:
+      reason = (f"truncated: {len(data)} of {nbytes} bytes" if len(data) < nbytes
+                else f"size mismatch: {len(data)} bytes, frame says {nbytes}")
     else:
       got = crc32c(data)
-      if got != c.crc32c:
-        reason = f"crc32c mismatch: data has 0x{got:08x}, frame says 0x{c.crc32c:08x}"
+      if got != crc:
+        reason = f"crc32c mismatch: data has 0x{got:08x}, frame says 0x{crc:08x}"
     with t.lock:
       if reason is None:
         expected = t.expected.get(layer)
@@ -522,8 +533,8 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
           want = expected.get(key)
           if want is None:
             reason = "not listed in the layer descriptor"
-          elif want != c.crc32c:
-            reason = f"crc32c 0x{c.crc32c:08x} differs from the layer descriptor's 0x{want:08x}"
+          elif want != crc:
+            reason = f"crc32c 0x{crc:08x} differs from the layer descriptor's 0x{want:08x}"
       if reason is not None:
         t.attempts[key] += 1
         t.rejected += 1
@@ -537,7 +548,7 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
         raise _Failed(*(self.failure(t.info.transfer_id) or (Code.ABORTED, "transfer failed")))
       self._reserve(t, len(data))
       now = time.time()
-      t.verified[key] = (layer, c.crc32c)
+      t.verified[key] = (layer, crc)
       t.pending[key] = data
       t.first_byte = t.first_byte or now
       t.last_byte = now
@@ -545,6 +556,43 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
       t.chunks_received += 1
     self._maybe_complete(t, layer)
     return None, len(data)
+
+  # -- data plane (paas_jax.transport.dataplane.interface.FrameSink) ------------------
+
+  @property
+  def max_frame_bytes(self) -> int:
+    return self.options.max_message_bytes
+
+  def plane_lookup(self, transfer_id: str) -> _Inbound:
+    try:
+      t = self._get(transfer_id)
+    except _Failed as e:
+      raise TransferRefused(e.code, e.message) from None
+    if t.status == "failed":
+      code, message = self.failure(transfer_id) or (Code.ABORTED, "transfer failed")
+      raise TransferRefused(code, message)
+    return t
+
+  def plane_descriptor(self, t: _Inbound, layer: int, layer_json: str) -> None:
+    t.last_activity = time.monotonic()
+    try:
+      try:
+        entry = LayerEntry.from_json(layer_json)
+      except (ValueError, KeyError, TypeError) as e:
+        raise _Failed(Code.INVALID_ARGUMENT, f"layer {layer}: bad descriptor: {e}")
+      self._adopt_descriptor(t, entry, layer)
+    except _Failed as e:
+      self._fail(t, e.code, e.message)
+      raise TransferRefused(e.code, e.message) from None
+
+  def plane_chunk(self, t: _Inbound, layer: int, key: str, crc: int, data) -> str | None:
+    t.last_activity = time.monotonic()
+    try:
+      reason, _ = self._accept_chunk(t, layer, key, crc, len(data), data)
+    except _Failed as e:
+      self._fail(t, e.code, e.message)
+      raise TransferRefused(e.code, e.message) from None
+    return None if reason is None else f"{_location(layer, key)}: {reason}"
 
   def _maybe_complete(self, t: _Inbound, layer: int) -> None:
     """Moves a fully verified layer into the store and starts restoring it."""
@@ -642,18 +690,21 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
 
 @dataclasses.dataclass
 class ReceiverServer:
-  """A running gRPC server hosting a ``StateReceiver``."""
+  """A running gRPC server hosting a ``StateReceiver`` (and its data plane, if any)."""
 
   server: grpc.Server
   receiver: StateReceiver
   port: int
   address: str
+  data_plane: DataPlaneServer | None = None
 
   @property
   def target(self) -> str:
     return self.address
 
   def stop(self, grace: float | None = 1.0) -> None:
+    if self.data_plane is not None:
+      self.data_plane.close()
     self.server.stop(grace).wait()
     self.receiver.close()
 
@@ -662,20 +713,38 @@ def serve_receiver(receiver: StateReceiver, address: str = "127.0.0.1:0", *,
                    credentials: grpc.ServerCredentials | None = None,
                    max_workers: int = 32,
                    maximum_concurrent_rpcs: int | None = None,
-                   interceptors=()) -> ReceiverServer:
+                   interceptors=(), data_plane: bool = False,
+                   data_ssl: ssl.SSLContext | None = None,
+                   data_peers: Sequence[str] | None = None,
+                   data_tuning: Tuning | None = None) -> ReceiverServer:
   """Starts a gRPC server for ``receiver`` on ``address`` (port 0: any free port).
 
   ``credentials`` (e.g. ``grpc.ssl_server_credentials`` with client-cert
   checking for mTLS) secures the port; None serves plaintext. ``interceptors``
   (e.g. ``paas_jax.security.PeerIdentityInterceptor``: only prefill servers
   may push states) run before the servicer.
+
+  ``data_plane``: also listen for the TCP data plane on the same host (any
+  free port, announced in BeginResponse). ``data_ssl``
+  (``dataplane.tls.server_context``) secures it, with ``data_peers`` the
+  patterns the senders' certificate names must match; a TLS gRPC port with
+  a plaintext data plane is refused (plaintext only behind --insecure).
   """
+  if data_plane and credentials is not None and data_ssl is None:
+    raise ValueError("serve_receiver: the gRPC port uses TLS but the data plane has no "
+                     "data_ssl; plaintext data planes exist only for --insecure deployments")
   server = channels.make_server(max_workers=max_workers,
                                 max_message_bytes=receiver.options.max_message_bytes,
                                 maximum_concurrent_rpcs=maximum_concurrent_rpcs,
                                 interceptors=interceptors)
   transport_pb2_grpc.add_StateTransferServicer_to_server(receiver, server)
   port = channels.add_port(server, address, credentials)
-  server.start()
   host = address.rsplit(":", 1)[0]
-  return ReceiverServer(server=server, receiver=receiver, port=port, address=f"{host}:{port}")
+  plane = None
+  if data_plane:
+    plane = DataPlaneServer(receiver, host.strip("[]") or "0.0.0.0", 0, ssl_context=data_ssl,
+                            peer_patterns=data_peers, tuning=data_tuning or Tuning())
+    receiver.data_plane_port = plane.port
+  server.start()
+  return ReceiverServer(server=server, receiver=receiver, port=port, address=f"{host}:{port}",
+                        data_plane=plane)

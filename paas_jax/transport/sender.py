@@ -20,7 +20,9 @@ sides and raises ``TransferError`` with the gRPC status that explains it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
+import ssl
 import threading
 import time
 import uuid
@@ -38,11 +40,17 @@ from paas_jax.codec.options import CodecOptions
 from paas_jax.proto import transport_pb2, transport_pb2_grpc
 from paas_jax.transport import channels
 from paas_jax.transport.counters import LinkCounters
+from paas_jax.transport.dataplane import frames as plane_frames
+from paas_jax.transport.dataplane.lanes import LanePool
+from paas_jax.transport.dataplane.streams import LaneStream, Outgoing
+from paas_jax.transport.dataplane.tuning import Tuning
 from paas_jax.transport.errors import TransferError
 from paas_jax.transport.flow import ByteBoundedQueue, QueueAborted
 from paas_jax.transport.timeline import TimelineRecorder, TransferTimeline
 
 Code = grpc.StatusCode
+log = logging.getLogger(__name__)
+PLANES = ("grpc", "tcp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +72,17 @@ class SenderOptions:
     transfer_timeout_s: deadline of each Push stream, from Begin.
     max_retry_rounds: resend rounds for rejected / missing chunks.
     credentials: channel credentials (mTLS); None for plaintext.
+    plane: what carries the chunk bytes: "grpc" (Push streams, the old path)
+      or "tcp" (the data plane, ``paas_jax.transport.dataplane``: N
+      long-lived TCP connections per receiver, zero-copy frames). Control
+      (Begin, Commit, Abort) stays on gRPC either way. A receiver that
+      announces no data-plane port gets the gRPC path.
+    lanes: data-plane connections a transfer stripes over.
+    window_bytes: unacknowledged bytes per data-plane connection.
+    data_ssl: client ``ssl.SSLContext`` of the data plane
+      (``dataplane.tls.client_context``); required with ``credentials``.
+    tuning: data-plane socket settings (buffers from the bandwidth-delay
+      product, congestion control, stall timeout).
   """
 
   num_streams: int = 4
@@ -76,8 +95,20 @@ class SenderOptions:
   transfer_timeout_s: float = 600.0
   max_retry_rounds: int = 3
   credentials: grpc.ChannelCredentials | None = None
+  plane: str = "grpc"
+  lanes: int = 4
+  window_bytes: int = 16 << 20
+  data_ssl: ssl.SSLContext | None = None
+  tuning: Tuning = Tuning()
 
   def __post_init__(self):
+    if self.plane not in PLANES:
+      raise ValueError(f"SenderOptions.plane must be one of {PLANES}, not {self.plane!r}")
+    if self.lanes < 1 or self.window_bytes < 1:
+      raise ValueError("SenderOptions: lanes and window_bytes must be >= 1")
+    if self.plane == "tcp" and self.credentials is not None and self.data_ssl is None:
+      raise ValueError("SenderOptions: TLS on gRPC needs data_ssl for the tcp data plane "
+                       "(plaintext data planes exist only for --insecure deployments)")
     if self.num_streams < 1 or self.num_connections < 1:
       raise ValueError("SenderOptions: num_streams and num_connections must be >= 1")
     if self.max_inflight_bytes < 1:
@@ -106,7 +137,7 @@ class Transfer:
   def __init__(self, sender: "StateSender", transfer_id: str, *, token_count: int,
                num_layers: int, model_id: str, config_fingerprint: str, codec: CodecOptions,
                max_frame_bytes: int, lengths: Any | None, batch: int,
-               recorder: TimelineRecorder):
+               recorder: TimelineRecorder, pool: LanePool | None = None):
     self.transfer_id = transfer_id
     self.token_count = token_count
     self.num_layers = num_layers
@@ -122,6 +153,8 @@ class Transfer:
     self._deadline = time.monotonic() + self._options.transfer_timeout_s
     self._lock = threading.Lock()
     self._error: TransferError | None = None
+    self._abort_sent = threading.Event()
+    self._abort_thread: threading.Thread | None = None
     self._done = False
     self._entries: dict[int, LayerEntry] = {}
     self._submitted: set[int] = set()
@@ -133,7 +166,16 @@ class Transfer:
     # This transfer's share of the link gauges of the sender's owner
     # (``StateSender.counters``): pending and sent bytes as they happen.
     self._link = sender.counters.begin(transfer_id, num_layers)
-    self._open_streams(self._frames, resend=False)
+    self._pool = pool
+    self._stream: LaneStream | None = None
+    if pool is not None:
+      try:
+        self._stream = self._open_lane_stream()
+      except TransferError:
+        self._link.end()
+        raise
+    else:
+      self._open_streams(self._frames, resend=False)
     self._encoder = threading.Thread(target=self._encode_loop, daemon=True,
                                      name=f"state-tx-encode-{transfer_id[:8]}")
     self._encoder.start()
@@ -192,7 +234,10 @@ class Transfer:
       self._put_layer(_FINISH)
       self._encoder.join()
       self._check()
-      self._frames.close()
+      if self._stream is not None:
+        self._stream.close()
+      else:
+        self._frames.close()
       self._wait_streams()
       missing = set(self._entries) ^ set(range(-1, self.num_layers))
       if missing:
@@ -229,7 +274,7 @@ class Transfer:
 
   def timeline(self) -> TransferTimeline:
     """Live snapshot (final once finished or failed)."""
-    self._recorder.queue_peak(self._frames.peak_bytes)
+    self._recorder.queue_peak(self._peak_queued())
     return self._recorder.snapshot()
 
   def __enter__(self) -> "Transfer":
@@ -273,7 +318,11 @@ class Transfer:
   def _abort(self, err: TransferError | None) -> None:
     err = err or TransferError(Code.CANCELLED, "aborted", self.transfer_id)
     first = self._set_error(err)
+    if first:
+      self._abort_thread = threading.current_thread()
     self._frames.abort()
+    if self._stream is not None:
+      self._stream.abort(err)
     if not self._done:
       self._link.end()  # its unsent bytes will never cross the link
     for call in list(self._calls):
@@ -293,6 +342,13 @@ class Transfer:
         # Unreachable receiver or closed channel: the receiver also fails the
         # transfer on its own, from the broken streams or its deadlines.
         pass
+      finally:
+        self._abort_sent.set()
+    elif not self._done and threading.current_thread() is not self._abort_thread:
+      # The failure was first seen on a stream or lane thread, whose Abort RPC
+      # may still be in flight: the caller (who may close the sender next)
+      # returns only once it went out.
+      self._abort_sent.wait(self._options.rpc_timeout_s)
 
   def _remaining(self) -> float:
     left = self._deadline - time.monotonic()
@@ -347,6 +403,13 @@ class Transfer:
     # room in the flow-control queue: it is committed to the link.
     self._link.queued_bytes(sum(chunk.nbytes for _, chunk in entry.chunks()),
                             layer_done=entry.index >= 0)
+    if self._stream is not None:
+      self._stream.put(Outgoing(plane_frames.DESCRIPTOR, entry.index, "", 0,
+                                entry.to_json().encode(), is_chunk=False))
+      for array, chunk in entry.chunks():
+        self._stream.put(Outgoing(plane_frames.CHUNK, entry.index, chunk.key, chunk.crc32c,
+                                  group.blobs[chunk.key], is_chunk=True))
+      return
     descriptor = transport_pb2.Frame(layer=transport_pb2.LayerDescriptor(
         transfer_id=self.transfer_id, layer_index=entry.index, layer_json=entry.to_json()))
     self._frames.put((descriptor, entry.index, 0, False), 0)
@@ -401,7 +464,36 @@ class Transfer:
     # on the Abort RPC.
     threading.Thread(target=self._abort, args=(err,), daemon=True).start()
 
+  def _peak_queued(self) -> int:
+    return self._stream.peak_bytes if self._stream is not None else self._frames.peak_bytes
+
+  # -- data plane --------------------------------------------------------------------
+
+  def _open_lane_stream(self) -> LaneStream:
+    return LaneStream(self._pool, self.transfer_id, lanes=self._options.lanes,
+                      max_queued_bytes=self._options.max_inflight_bytes,
+                      deadline=self._deadline, on_sent=self._plane_sent,
+                      on_error=self._plane_error)
+
+  def _plane_sent(self, item: Outgoing) -> None:
+    nbytes = item.nbytes if item.is_chunk else 0
+    self._recorder.frame_sent(item.layer, nbytes, item.is_chunk, item.resend)
+    if nbytes:
+      self._link.sent_bytes(nbytes)
+
+  def _plane_error(self, err: TransferError) -> None:
+    if self._error is None and not self._done:
+      # Not inline: this runs on a lane thread, which must not block on the Abort RPC.
+      threading.Thread(target=self._abort, args=(err,), daemon=True).start()
+
   def _wait_streams(self) -> None:
+    if self._stream is not None:
+      try:
+        self._stream.wait()
+      finally:
+        self._recorder.queue_peak(self._stream.peak_bytes)
+      self._check()
+      return
     for call in self._calls:
       try:
         summary = call.result()
@@ -419,6 +511,17 @@ class Transfer:
     if unknown:
       raise TransferError(Code.INVALID_ARGUMENT, f"receiver asks for unknown chunks "
                           f"{unknown[:3]}", self.transfer_id)
+    if self._stream is not None:
+      self._stream = self._open_lane_stream()
+      for key in sorted(keys):
+        layer, chunk, data = self._chunks[key]
+        self._link.queued_bytes(chunk.nbytes)
+        self._stream.put(Outgoing(plane_frames.CHUNK, layer, key, chunk.crc32c, data,
+                                  is_chunk=True, attempt=attempt, resend=True))
+      self._stream.close()
+      self._rejected = {}
+      self._wait_streams()
+      return
     frames = ByteBoundedQueue(self._options.max_inflight_bytes)
     self._frames = frames
     self._open_streams(frames, resend=True, count=min(len(keys), self._options.num_streams))
@@ -477,9 +580,13 @@ class StateSender:
                channels_: Sequence[grpc.Channel] | None = None,
                options: SenderOptions = SenderOptions(),
                counters: LinkCounters | None = None):
-    if (target is None) == (channels_ is None):
-      raise ValueError("pass exactly one of target and channels_")
+    if target is None and channels_ is None:
+      raise ValueError("pass target, channels_, or both (channels_ for gRPC and target's "
+                       "host for the data plane)")
     self.options = options
+    self._data_host = None if target is None else target.rsplit(":", 1)[0].strip("[]")
+    self._pools: dict[int, LanePool] = {}
+    self._pools_lock = threading.Lock()
     self.counters = counters if counters is not None else LinkCounters()
     self._owns_channels = channels_ is None
     if channels_ is None:
@@ -524,7 +631,10 @@ class StateSender:
     if batch is None:
       raise ValueError("begin() needs lengths or batch")
     transfer_id = transfer_id or uuid.uuid4().hex
-    recorder = TimelineRecorder(transfer_id, self.options.num_streams, len(self._channels))
+    tcp = self.options.plane == "tcp"
+    recorder = TimelineRecorder(transfer_id,
+                                self.options.lanes if tcp else self.options.num_streams,
+                                self.options.lanes if tcp else len(self._channels))
     request = transport_pb2.BeginRequest(
         transfer_id=transfer_id, model_id=model_id, config_fingerprint=config_fingerprint,
         num_layers=num_layers, reserve_bytes=reserve_bytes, codec_json=codec.to_json(),
@@ -532,17 +642,65 @@ class StateSender:
     try:
       response = self._stub(0).Begin(request, timeout=self.options.rpc_timeout_s)
     except grpc.RpcError as e:
-      recorder.finished(e.code().name if hasattr(e, "code") else "UNKNOWN")
+      code = e.code() if hasattr(e, "code") else None
+      recorder.finished(code.name if code else "UNKNOWN")
+      if code == Code.DEADLINE_EXCEEDED:
+        # The receiver may have begun it after all: do not leave it to its deadline.
+        self._abort_begun(transfer_id, "Begin timed out at the sender")
       raise TransferError.from_rpc_error(e, transfer_id, "Begin refused") from None
     max_frame = min(int(response.max_frame_bytes) or self.options.max_message_bytes,
                     self.options.max_message_bytes)
-    transfer = Transfer(self, transfer_id, token_count=token_count, num_layers=num_layers,
-                        model_id=model_id, config_fingerprint=config_fingerprint,
-                        codec=codec, max_frame_bytes=max_frame,
-                        lengths=None if lengths is None else np.asarray(lengths, np.int32),
-                        batch=batch, recorder=recorder)
+    pool = None
+    if self.options.plane == "tcp":
+      try:
+        pool = self._pool(int(response.data_plane_port))
+      except Exception:
+        self._abort_begun(transfer_id, "sender could not set up its data plane")
+        recorder.finished("INTERNAL")
+        raise
+    try:
+      transfer = Transfer(self, transfer_id, token_count=token_count, num_layers=num_layers,
+                          model_id=model_id, config_fingerprint=config_fingerprint,
+                          codec=codec, max_frame_bytes=max_frame,
+                          lengths=None if lengths is None else np.asarray(lengths, np.int32),
+                          batch=batch, recorder=recorder, pool=pool)
+    except TransferError as e:
+      # The data plane could not be reached: the receiver must not keep the
+      # begun transfer until its deadline.
+      self._abort_begun(transfer_id, e.message)
+      recorder.finished(e.code.name)
+      raise
     self._transfers.add(transfer)
     return transfer
+
+  def _pool(self, port: int) -> LanePool | None:
+    """The long-lived connections to the receiver's data plane at ``port``."""
+    if not port:
+      log.info("receiver announces no data plane; this transfer uses gRPC streams")
+      return None
+    if self._data_host is None:
+      raise ValueError("plane='tcp' with channels_ needs target too (its host is where "
+                       "the data plane is dialled)")
+    with self._pools_lock:
+      pool = self._pools.get(port)
+      if pool is None:
+        o = self.options
+        pool = LanePool(self._data_host, port, ssl_context=o.data_ssl,
+                        window_bytes=o.window_bytes, tuning=o.tuning)
+        self._pools[port] = pool
+      return pool
+
+  def _abort_begun(self, transfer_id: str, reason: str) -> None:
+    try:
+      self._stub(0).Abort(transport_pb2.AbortRequest(transfer_id=transfer_id, reason=reason),
+                          timeout=self.options.rpc_timeout_s)
+    except (grpc.RpcError, ValueError):
+      pass
+
+  @property
+  def data_planes(self) -> list[LanePool]:
+    with self._pools_lock:
+      return list(self._pools.values())
 
   def send_state(self, state: Any, *, model_id: str, config_fingerprint: str,
                  codec: CodecOptions = CodecOptions(), transfer_id: str | None = None,
@@ -563,6 +721,10 @@ class StateSender:
     for transfer in list(self._transfers):
       if not transfer._done and transfer._error is None:
         transfer.abort("sender closed")
+    with self._pools_lock:
+      pools, self._pools = list(self._pools.values()), {}
+    for pool in pools:
+      pool.close()
     if self._owns_channels:
       for c in self._channels:
         c.close()

@@ -1,0 +1,1 @@
+"""TCP data plane for state transfers; see docs/transport.md."""

@@ -1,0 +1,70 @@
+"""The seam between the transfer protocol (gRPC control: Begin, Commit, Abort)
+and whatever carries the bytes.
+
+Receiving side: a data plane hands every frame it reads to a ``FrameSink``
+(``StateReceiver`` is one) and reports the sink's verdict back to the sender.
+Sending side: ``StateSender`` asks its plane for a stream per transfer
+(``open_stream``), ``put``s frames (memoryviews of the encoded objects),
+``close``s and ``wait``s until the receiver acknowledged every frame; Commit
+then goes over gRPC as before. An RDMA plane (NIXL/UCX, Mooncake) would
+implement the same two calls: register the encoded buffers, post one write
+per object into receiver buffers announced at Begin, and deliver the
+(layer, key, crc32c, buffer) of each completed write to the same
+``FrameSink``; see docs/transport.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import grpc
+
+
+class TransferRefused(Exception):
+  """The sink refuses a frame's transfer as a whole (unknown id, failed,
+  budget...): ``code`` is the gRPC status the sender's transfer fails with."""
+
+  def __init__(self, code: grpc.StatusCode, message: str):
+    self.code, self.message = code, message
+    super().__init__(f"{code.name}: {message}")
+
+
+class FrameSink(Protocol):
+  """What a receiving data plane delivers frames to (``StateReceiver``)."""
+
+  max_frame_bytes: int
+
+  def plane_lookup(self, transfer_id: str) -> Any:
+    """The open transfer's handle. Raises TransferRefused (NOT_FOUND...)."""
+
+  def plane_descriptor(self, handle: Any, layer: int, layer_json: str) -> None:
+    """A layer descriptor arrived. Raises TransferRefused."""
+
+  def plane_chunk(self, handle: Any, layer: int, key: str, crc32c: int,
+                  data: bytearray) -> str | None:
+    """A stored object arrived in ``data`` (now owned by the sink). Returns
+    why it was rejected (the sender resends it), or None when it is kept.
+    Raises TransferRefused when the transfer fails."""
+
+
+class SenderStream(Protocol):
+  """One transfer's bytes on a sending data plane (``LaneStream``)."""
+
+  peak_bytes: int
+
+  def put(self, item: Any) -> None: ...
+
+  def close(self) -> None: ...
+
+  def wait(self) -> None: ...
+
+  def abort(self, err: Exception) -> None: ...
+
+
+class DataPlaneClient(Protocol):
+  """A sender's plane to one receiver (``TcpDataPlane``)."""
+
+  def open_stream(self, port: int, transfer_id: str, *, deadline: float, on_sent,
+                  on_error, lanes: int | None = None) -> SenderStream: ...
+
+  def close(self) -> None: ...

@@ -1,0 +1,391 @@
+"""Long-lived data-plane connections from one sender to one receiver.
+
+A ``LanePool`` keeps the connections to one receiver's data-plane port open
+between transfers (so a transfer pays no TCP or TLS handshake), hands them to
+one transfer at a time (``checkout``/``checkin``) and replaces dead ones.
+
+Each ``Lane`` runs two threads for its whole life: a writer that takes the
+attached stream's next frame and writes header and payload with one
+``sendmsg`` over memoryviews of the encoded buffers (no user-space copy; on
+TLS, ``send`` of the same views), and a reader that matches the receiver's
+in-order replies to the frames outstanding. At most ``window_bytes`` are
+outstanding per lane: that, not the socket buffer, bounds what a receiver
+that stops reading can make the sender hold. A lane with frames outstanding
+and no reply for ``stall_timeout_s``, or whose socket fails, dies: its
+outstanding frames go back to their stream for the other lanes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import ssl
+import threading
+import time
+
+import grpc
+
+from paas_jax.transport.dataplane import frames, tuning as tuning_lib
+from paas_jax.transport.dataplane.streams import Outgoing
+from paas_jax.transport.errors import TransferError
+
+log = logging.getLogger(__name__)
+Code = grpc.StatusCode
+
+
+class LaneDead(Exception):
+  pass
+
+
+class Lane:
+  """One connection; see the module docstring."""
+
+  def __init__(self, sock: socket.socket, *, index: int, window_bytes: int,
+               tuning: tuning_lib.Tuning, fault_hook=None):
+    self.sock = sock
+    self.index = index
+    self.tls = isinstance(sock, ssl.SSLSocket)
+    self._window = max(int(window_bytes), 1)
+    self._tuning = tuning
+    self._fault_hook = fault_hook
+    self._cv = threading.Condition()
+    self._seq = 0
+    self._unacked: collections.OrderedDict[int, Outgoing] = collections.OrderedDict()
+    self._unacked_bytes = 0
+    self._stream = None
+    self._last_progress = time.monotonic()
+    self.dead: BaseException | None = None
+    self.frames_sent = 0
+    self.bytes_sent = 0
+    sock.settimeout(tuning.io_timeout_s)
+    self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                    name=f"dp-lane{index}-tx")
+    self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                    name=f"dp-lane{index}-rx")
+    self._writer.start()
+    self._reader.start()
+
+  @property
+  def alive(self) -> bool:
+    return self.dead is None
+
+  @property
+  def idle(self) -> bool:
+    with self._cv:
+      return self._stream is None
+
+  def attach(self, stream) -> None:
+    with self._cv:
+      dead = self.dead
+      if dead is None:
+        self._stream = stream
+        self._cv.notify_all()
+    if dead is not None:
+      # Died between checkout and attach (e.g. the receiver refused the peer
+      # right after the handshake): the stream must hear of it.
+      stream.lane_died(self, [], _describe(dead))
+
+  def detach(self, stream) -> None:
+    with self._cv:
+      if self._stream is stream:
+        self._stream = None
+      self._cv.notify_all()
+
+  def tcp_info(self) -> tuning_lib.TcpInfo | None:
+    return tuning_lib.tcp_info(self.sock)
+
+  def close(self, why: str = "closed") -> None:
+    self._die(LaneDead(why))
+
+  # -- writer ----------------------------------------------------------------------------
+
+  def _write_loop(self) -> None:
+    while self.dead is None:
+      with self._cv:
+        while self._stream is None and self.dead is None:
+          self._cv.wait()
+        stream = self._stream
+      if stream is None:
+        return
+      while self.dead is None:
+        item = stream.next_item(self)
+        if item is None:
+          break
+        try:
+          self._send(item)
+        except LaneDead:
+          return
+        except (OSError, ValueError) as e:
+          self._writer_failed(e)
+          return
+      with self._cv:  # wait to be detached (or attached to the next stream)
+        while self._stream is stream and self.dead is None:
+          self._cv.wait(0.5)
+
+  def _send(self, item: Outgoing) -> None:
+    stream = item.stream
+    size = item.nbytes
+    with self._cv:
+      while (self.dead is None and self._unacked
+             and self._unacked_bytes + size > self._window):
+        self._cv.wait(self._tuning.io_timeout_s)
+        self._check_stall_locked()
+      if self.dead is not None:
+        items = [item]
+        dead = self.dead
+      else:
+        items = None
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        seq = self._seq
+        if not self._unacked:
+          self._last_progress = time.monotonic()
+        self._unacked[seq] = item
+        self._unacked_bytes += size
+    if items is not None:
+      stream.lane_died(self, items, dead)
+      raise LaneDead()
+    header = frames.pack_header(item.kind, seq, stream.tid, item.layer, item.key.encode(),
+                                item.crc, size, item.attempt)
+    payload = item.payload
+    if self._fault_hook is not None:
+      payload = self._fault_hook(self, item, payload)
+    self._write([memoryview(header), payload], stream)
+    self.frames_sent += 1
+    self.bytes_sent += size
+    stream.sent(item)
+
+  def _write(self, views: list[memoryview], stream) -> None:
+    """Writes every byte of ``views`` (retrying partial writes and timeouts)."""
+    views = [v for v in views if len(v)]
+    while views:
+      try:
+        if self.tls:
+          n = self.sock.send(views[0])
+        else:
+          n = self.sock.sendmsg(views)
+      except socket.timeout:
+        n = 0
+      if self.dead is not None:
+        raise LaneDead()
+      if n == 0:
+        with self._cv:
+          self._check_stall_locked()
+        if stream.error is not None:
+          # A frame cut short would desynchronise the connection.
+          self._die(LaneDead("transfer failed while a frame was half written"))
+          raise LaneDead()
+        continue
+      while n and views:
+        if n >= len(views[0]):
+          n -= len(views[0])
+          views.pop(0)
+        else:
+          views[0] = views[0][n:]
+          n = 0
+
+  def _writer_failed(self, exc: BaseException) -> None:
+    # The receiver may have refused the connection with a reply (ERROR) just
+    # before closing it: let the reader find that reply, so the transfer
+    # fails with the receiver's reason rather than "broken pipe".
+    try:
+      self.sock.shutdown(socket.SHUT_WR)
+    except OSError:
+      pass
+    deadline = time.monotonic() + 2.0
+    with self._cv:
+      while self.dead is None and time.monotonic() < deadline:
+        self._cv.wait(0.05)
+    self._die(exc)
+
+  # -- reader ----------------------------------------------------------------------------
+
+  def _recv(self, view: memoryview) -> None:
+    n = 0
+    while n < len(view):
+      try:
+        got = self.sock.recv_into(view[n:])
+      except socket.timeout:
+        if self.dead is not None:
+          raise LaneDead()
+        with self._cv:
+          self._check_stall_locked()
+        continue
+      if got == 0:
+        raise frames.PeerClosed("receiver closed the data-plane connection")
+      n += got
+
+  def _read_loop(self) -> None:
+    head = bytearray(frames.REPLY.size)
+    try:
+      while self.dead is None:
+        self._recv(memoryview(head))
+        magic, seq, code, kind, _, msg_len = frames.REPLY.unpack(head)
+        if magic != frames.REPLY_MAGIC or msg_len > frames.MAX_REPLY_MESSAGE:
+          raise frames.ProtocolError(Code.INTERNAL, "malformed reply from the receiver")
+        text = bytearray(msg_len)
+        if msg_len:
+          self._recv(memoryview(text))
+        message = text.decode("utf-8", "replace")
+        status = frames.status_code(code)
+        with self._cv:
+          item = self._unacked.pop(seq, None)
+          if item is not None:
+            self._unacked_bytes -= item.nbytes
+          self._last_progress = time.monotonic()
+          self._cv.notify_all()
+        if item is None:
+          # Only a connection-level refusal (bad TLS peer, bad header) has no frame.
+          raise frames.ProtocolError(status, message or f"reply to unknown frame {seq}")
+        stream = item.stream
+        if kind == frames.ACK:
+          stream.acked(item)
+        elif kind == frames.NACK:
+          stream.nacked(item, message)
+        else:
+          stream.fail(TransferError(status, message, stream.transfer_id))
+    except LaneDead:
+      return
+    except frames.ProtocolError as e:
+      self._die(e)
+    except (OSError, ValueError, frames.PeerClosed) as e:
+      self._die(e)
+
+  # -- death -----------------------------------------------------------------------------
+
+  def _check_stall_locked(self) -> None:
+    if (self.dead is None and self._unacked
+        and time.monotonic() - self._last_progress > self._tuning.stall_timeout_s):
+      threading.Thread(target=self._die, daemon=True, args=(TimeoutError(
+          f"no reply from the receiver for {self._tuning.stall_timeout_s:g} s with "
+          f"{self._unacked_bytes} bytes outstanding"),)).start()
+      self._cv.wait(0.05)
+
+  def _die(self, exc: BaseException) -> None:
+    with self._cv:
+      if self.dead is not None:
+        return
+      self.dead = exc
+      items = list(self._unacked.values())
+      self._unacked.clear()
+      self._unacked_bytes = 0
+      stream = self._stream
+      self._stream = None
+      self._cv.notify_all()
+    try:
+      self.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
+    try:
+      self.sock.close()
+    except OSError:
+      pass
+    by_stream: dict[int, tuple] = {}
+    for item in items:
+      by_stream.setdefault(id(item.stream), (item.stream, []))[1].append(item)
+    if stream is not None and id(stream) not in by_stream:
+      by_stream[id(stream)] = (stream, [])
+    if not isinstance(exc, LaneDead) or by_stream:
+      log.info("data-plane lane %d closed: %s", self.index, exc)
+    for s, its in by_stream.values():
+      s.lane_died(self, its, _describe(exc))
+
+
+def _describe(exc: BaseException) -> BaseException:
+  if isinstance(exc, frames.ProtocolError):
+    return exc
+  return ConnectionError(f"{type(exc).__name__}: {exc}")
+
+
+class LanePool:
+  """Connections to one receiver's data-plane port, kept between transfers.
+
+  Args:
+    host, port: the receiver's data plane.
+    ssl_context: client context (``dataplane.tls.client_context``); None:
+      plaintext (only when the deployment runs --insecure).
+    window_bytes: unacknowledged bytes allowed per connection.
+    tuning: socket settings.
+  """
+
+  def __init__(self, host: str, port: int, *, ssl_context: ssl.SSLContext | None,
+               window_bytes: int, tuning: tuning_lib.Tuning):
+    self.host, self.port = host, port
+    self.ssl_context = ssl_context
+    self.window_bytes = window_bytes
+    self.tuning = tuning
+    self.fault_hook = None  # tests: f(lane, item, payload) -> the payload actually written
+    self._lock = threading.Lock()
+    self._idle: list[Lane] = []
+    self._all: list[Lane] = []
+    self._opened = 0
+    self._closed = False
+
+  def _connect(self, transfer_id: str) -> Lane:
+    try:
+      raw = socket.create_connection((self.host, self.port),
+                                     timeout=self.tuning.connect_timeout_s)
+    except OSError as e:
+      raise TransferError(Code.UNAVAILABLE, f"data plane {self.host}:{self.port} "
+                          f"unreachable: {e}", transfer_id) from None
+    tuning_lib.apply(raw, self.tuning)
+    sock = raw
+    if self.ssl_context is not None:
+      try:
+        sock = self.ssl_context.wrap_socket(raw, server_hostname=self.host)
+      except (ssl.SSLError, OSError) as e:
+        raw.close()
+        raise TransferError(Code.UNAVAILABLE, f"data plane {self.host}:{self.port}: TLS "
+                            f"handshake failed: {e}", transfer_id) from None
+    with self._lock:
+      self._opened += 1
+      index = self._opened
+    lane = Lane(sock, index=index, window_bytes=self.window_bytes, tuning=self.tuning,
+                fault_hook=self.fault_hook)
+    with self._lock:
+      self._all.append(lane)
+    return lane
+
+  def checkout(self, n: int, transfer_id: str, fresh: bool = False) -> list[Lane]:
+    """``n`` connections for one transfer: idle live ones first, then new ones."""
+    out: list[Lane] = []
+    with self._lock:
+      if self._closed:
+        raise TransferError(Code.CANCELLED, "sender closed", transfer_id)
+      self._idle = [l for l in self._idle if l.alive]
+      while self._idle and len(out) < n and not fresh:
+        out.append(self._idle.pop())
+    try:
+      while len(out) < n:
+        out.append(self._connect(transfer_id))
+    except TransferError:
+      self.checkin(out)
+      raise
+    return out
+
+  def checkin(self, lanes) -> None:
+    with self._lock:
+      for lane in lanes:
+        if lane.alive and not self._closed:
+          self._idle.append(lane)
+      self._all = [l for l in self._all if l.alive]
+
+  def lanes(self) -> list[Lane]:
+    with self._lock:
+      return [l for l in self._all if l.alive]
+
+  def retransmits(self) -> int:
+    """TCP retransmissions over the live connections (Linux TCP_INFO)."""
+    total = 0
+    for lane in self.lanes():
+      info = lane.tcp_info()
+      if info is not None:
+        total += info.total_retrans
+    return total
+
+  def close(self) -> None:
+    with self._lock:
+      self._closed = True
+      lanes, self._all, self._idle = self._all, [], []
+    for lane in lanes:
+      lane.close("sender closed")

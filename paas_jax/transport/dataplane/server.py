@@ -1,0 +1,211 @@
+"""Receiving side of the TCP data plane: a listener beside the gRPC port.
+
+Every accepted connection gets a thread that reads frames and answers each
+with one reply (ACK, NACK with the reason, or ERROR with a gRPC status code).
+A chunk's payload is read with ``recv_into`` straight into the buffer that
+the decode side keeps (no copy between the socket and the restore). The
+connection outlives transfers: the sender reuses it for the next one.
+
+Refused with a clear status and nothing kept: a frame for an unknown or
+failed transfer (its payload is read and dropped, ERROR NOT_FOUND /
+the failure's code; the connection stays usable), a frame larger than
+``max_frame_bytes`` or a malformed header (ERROR INVALID_ARGUMENT /
+RESOURCE_EXHAUSTED, then the connection is closed: its byte stream cannot
+be trusted any more), and with TLS a peer whose certificate is not from the
+CA (handshake fails) or names a role the patterns do not allow (ERROR
+PERMISSION_DENIED).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+import time
+from typing import Sequence
+
+import grpc
+
+from paas_jax.transport.dataplane import frames, tls as tls_lib, tuning as tuning_lib
+from paas_jax.transport.dataplane.interface import FrameSink, TransferRefused
+
+log = logging.getLogger(__name__)
+Code = grpc.StatusCode
+_DRAIN_CHUNK = 1 << 20
+
+
+class DataPlaneServer:
+  """Listens on ``host:port`` (0: any free port) for data-plane connections.
+
+  Args:
+    sink: where frames go (a ``StateReceiver``).
+    ssl_context: ``tls.server_context``; None: plaintext (--insecure only).
+    peer_patterns: fnmatch patterns the sender's certificate names must
+      match (TLS only; None: any peer with a certificate from the CA).
+    tuning: socket settings.
+  """
+
+  def __init__(self, sink: FrameSink, host: str = "127.0.0.1", port: int = 0, *,
+               ssl_context: ssl.SSLContext | None = None,
+               peer_patterns: Sequence[str] | None = None,
+               tuning: tuning_lib.Tuning = tuning_lib.Tuning()):
+    self.sink = sink
+    self.ssl_context = ssl_context
+    self.peer_patterns = None if peer_patterns is None else tuple(peer_patterns)
+    self.tuning = tuning
+    self._listener = socket.create_server((host, port), backlog=128)
+    self.host = host
+    self.port = self._listener.getsockname()[1]
+    self._lock = threading.Lock()
+    self._conns: set[socket.socket] = set()
+    self._closed = False
+    self.refused = 0  # connections or frames refused (metrics, tests)
+    self.connections_total = 0
+    self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
+                                      name="dp-accept")
+    self._accepter.start()
+
+  @property
+  def open_connections(self) -> int:
+    with self._lock:
+      return len(self._conns)
+
+  def close(self) -> None:
+    with self._lock:
+      self._closed = True
+      conns = list(self._conns)
+    try:
+      self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone does not)
+    except OSError:
+      pass
+    try:
+      self._listener.close()
+    except OSError:
+      pass
+    for c in conns:
+      try:
+        c.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
+    self._accepter.join(timeout=5)
+
+  def _accept_loop(self) -> None:
+    while True:
+      try:
+        sock, addr = self._listener.accept()
+      except OSError:
+        return
+      with self._lock:
+        if self._closed:
+          sock.close()
+          return
+        self._conns.add(sock)
+        self.connections_total += 1
+      threading.Thread(target=self._serve, args=(sock, addr), daemon=True,
+                       name=f"dp-conn-{addr[1]}").start()
+
+  def _serve(self, raw: socket.socket, addr) -> None:
+    sock = raw
+    try:
+      tuning_lib.apply(raw, self.tuning)
+      if self.ssl_context is not None:
+        raw.settimeout(self.tuning.connect_timeout_s)
+        try:
+          sock = self.ssl_context.wrap_socket(raw, server_side=True)
+        except (ssl.SSLError, OSError) as e:
+          self.refused += 1
+          log.warning("data plane: TLS handshake with %s failed: %s", addr, e)
+          return
+        names = tls_lib.peer_names(sock)
+        if not tls_lib.allowed(names, self.peer_patterns):
+          self.refused += 1
+          raise frames.ProtocolError(
+              Code.PERMISSION_DENIED, f"peer {names} may not push states here (allowed: "
+              f"{list(self.peer_patterns or ())})")
+        with self._lock:
+          self._conns.discard(raw)
+          self._conns.add(sock)
+      sock.settimeout(None)
+      self._frames(sock, waitall=not isinstance(sock, ssl.SSLSocket))
+    except frames.ProtocolError as e:
+      self.refused += 1
+      log.warning("data plane: refusing %s: %s", addr, e)
+      self._refuse(sock, e)
+    except (frames.PeerClosed, OSError, ValueError):
+      pass  # The sender went away; its transfers fail by their own deadlines/Abort.
+    finally:
+      with self._lock:
+        self._conns.discard(sock)
+        self._conns.discard(raw)
+      try:
+        sock.close()
+      except OSError:
+        pass
+
+  def _refuse(self, sock, e: frames.ProtocolError, seq: int = 0) -> None:
+    try:
+      sock.sendall(frames.pack_reply(seq, frames.ERROR, e.code, e.message))
+      # Half-close and let the sender read the reply before the connection
+      # goes away (closing with unread input would reset it first).
+      if not isinstance(sock, ssl.SSLSocket):
+        sock.shutdown(socket.SHUT_WR)
+      sock.settimeout(1.0)
+      scratch = bytearray(64 << 10)
+      end = time.monotonic() + 1.0
+      while time.monotonic() < end and sock.recv_into(scratch):
+        pass
+    except (OSError, ValueError):
+      pass
+
+  def _frames(self, sock, waitall: bool) -> None:
+    sink = self.sink
+    header = bytearray(frames.HEADER.size)
+    header_view = memoryview(header)
+    while True:
+      try:
+        frames.recv_exact(sock, header_view, waitall)
+      except frames.PeerClosed:
+        return
+      kind, seq, tid_len, layer, crc, key_len, length, attempt = frames.parse_header(header)
+      if length > sink.max_frame_bytes:
+        raise frames.ProtocolError(
+            Code.RESOURCE_EXHAUSTED, f"frame of {length} bytes exceeds this receiver's "
+            f"{sink.max_frame_bytes}-byte limit (layer {layer})")
+      names = bytearray(tid_len + key_len)
+      frames.recv_exact(sock, memoryview(names), waitall)
+      try:
+        tid = names[:tid_len].decode()
+        key = names[tid_len:].decode()
+      except UnicodeDecodeError:
+        raise frames.ProtocolError(Code.INVALID_ARGUMENT, "frame header: id or key is not "
+                                   "utf-8") from None
+      try:
+        handle = sink.plane_lookup(tid)
+      except TransferRefused as e:
+        self.refused += 1
+        self._drain(sock, length, waitall)
+        sock.sendall(frames.pack_reply(seq, frames.ERROR, e.code, e.message))
+        continue
+      data = bytearray(length)
+      frames.recv_exact(sock, memoryview(data), waitall)
+      try:
+        if kind == frames.DESCRIPTOR:
+          sink.plane_descriptor(handle, layer, data.decode("utf-8", "replace"))
+          reply = frames.pack_reply(seq, frames.ACK)
+        else:
+          reason = sink.plane_chunk(handle, layer, key, crc, data)
+          reply = (frames.pack_reply(seq, frames.ACK) if reason is None else
+                   frames.pack_reply(seq, frames.NACK, Code.DATA_LOSS, reason))
+      except TransferRefused as e:
+        reply = frames.pack_reply(seq, frames.ERROR, e.code, e.message)
+      sock.sendall(reply)
+
+  @staticmethod
+  def _drain(sock, length: int, waitall: bool) -> None:
+    scratch = memoryview(bytearray(min(length, _DRAIN_CHUNK) or 1))
+    left = length
+    while left:
+      n = min(left, len(scratch))
+      frames.recv_exact(sock, scratch[:n], waitall)
+      left -= n

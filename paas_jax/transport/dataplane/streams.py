@@ -1,0 +1,259 @@
+"""One transfer's frames striped over the connections it has checked out.
+
+A ``LaneStream`` is the sending side of one transfer (or one resend round) on
+the data plane: the encoder ``put``s frames (blocking beyond a byte bound, so
+a slow link stalls encoding instead of filling host memory), every lane
+attached to the stream takes the next frame as soon as its window allows
+(layers are thereby striped over the N connections in arrival order), and
+``wait`` returns once every frame was acknowledged by the receiver.
+
+A frame the receiver rejects (NACK: crc32c mismatch, truncated...) goes back
+to the head of the queue with ``attempt + 1``; the frames a dead connection
+had outstanding go back too, and the other connections carry them (a
+replacement connection is opened when none is left, up to a budget). The
+receiver's own per-chunk attempt limit turns a chunk that keeps failing into
+DATA_LOSS; nothing here retries forever.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable
+
+import grpc
+
+from paas_jax.transport.dataplane import frames
+from paas_jax.transport.errors import TransferError
+
+Code = grpc.StatusCode
+
+
+class Outgoing:
+  """One frame to send: header fields and a memoryview of the payload."""
+
+  __slots__ = ("kind", "layer", "key", "crc", "payload", "attempt", "is_chunk", "stream",
+               "resend")
+
+  def __init__(self, kind: int, layer: int, key: str, crc: int, payload, is_chunk: bool,
+               attempt: int = 0, resend: bool = False):
+    self.kind, self.layer, self.key, self.crc = kind, layer, key, crc
+    self.payload = memoryview(payload).cast("B") if not isinstance(payload, memoryview) else (
+        payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B"))
+    self.attempt = attempt
+    self.is_chunk = is_chunk
+    self.resend = resend
+    self.stream: "LaneStream | None" = None
+
+  @property
+  def nbytes(self) -> int:
+    return len(self.payload)
+
+
+class LaneStream:
+  """The data-plane side of one transfer; see the module docstring.
+
+  Args:
+    pool: the ``LanePool`` of the receiver's data plane.
+    transfer_id: the transfer the frames belong to.
+    lanes: connections to stripe over.
+    max_queued_bytes: bound of frames queued and not yet written.
+    deadline: monotonic time by which every frame must be acknowledged.
+    on_sent: ``f(item)`` after an item's last byte was written.
+    on_error: ``f(TransferError)`` once, when the stream fails.
+  """
+
+  def __init__(self, pool, transfer_id: str, *, lanes: int, max_queued_bytes: int,
+               deadline: float, on_sent: Callable[[Outgoing], None],
+               on_error: Callable[[TransferError], None]):
+    self.transfer_id = transfer_id
+    self.tid = transfer_id.encode()
+    self._pool = pool
+    self._cv = threading.Condition()
+    self._queue: collections.deque[Outgoing] = collections.deque()
+    self._queued_bytes = 0
+    self._max_queued = max(int(max_queued_bytes), 1)
+    self._outstanding = 0
+    self._closed = False
+    self._error: TransferError | None = None
+    self._deadline = deadline
+    self._on_sent = on_sent
+    self._on_error = on_error
+    self.peak_bytes = 0
+    self.resent = 0
+    self.lanes_lost = 0
+    self._replacements = lanes  # fresh connections allowed after deaths
+    self._lanes = pool.checkout(lanes, transfer_id)
+    for lane in self._lanes:
+      lane.attach(self)
+
+  @property
+  def error(self) -> TransferError | None:
+    return self._error
+
+  @property
+  def num_lanes(self) -> int:
+    return len(self._lanes)
+
+  # -- producer ------------------------------------------------------------------------
+
+  def put(self, item: Outgoing) -> None:
+    item.stream = self
+    with self._cv:
+      while (self._error is None and self._queue
+             and self._queued_bytes + item.nbytes > self._max_queued):
+        if time.monotonic() > self._deadline:
+          break
+        self._cv.wait(0.1)
+    self._check_deadline()
+    with self._cv:
+      if self._error is not None:
+        raise self._error
+      if self._closed:
+        raise RuntimeError("put() on a closed stream")
+      self._queue.append(item)
+      self._queued_bytes += item.nbytes
+      self._outstanding += 1
+      self.peak_bytes = max(self.peak_bytes, self._queued_bytes)
+      self._cv.notify_all()
+
+  def close(self) -> None:
+    with self._cv:
+      self._closed = True
+      self._cv.notify_all()
+
+  def wait(self) -> None:
+    """Until every frame is acknowledged; returns the lanes to the pool.
+
+    Raises:
+      TransferError: the stream failed (the receiver's status, a lost link,
+        DEADLINE_EXCEEDED).
+    """
+    try:
+      with self._cv:
+        while self._error is None and not (self._closed and self._outstanding == 0):
+          if time.monotonic() > self._deadline:
+            break
+          self._cv.wait(0.1)
+      self._check_deadline()
+      with self._cv:
+        if self._error is not None:
+          raise self._error
+    finally:
+      self._release_lanes()
+
+  def abort(self, err: TransferError) -> None:
+    self._fail(err)
+    self._release_lanes()
+
+  # -- lanes ---------------------------------------------------------------------------
+
+  def next_item(self, lane) -> Outgoing | None:
+    """The next frame for ``lane``; None once the stream is done or failed."""
+    with self._cv:
+      while True:
+        if self._error is not None or lane not in self._lanes:
+          return None
+        if self._queue:
+          item = self._queue.popleft()
+          self._queued_bytes -= item.nbytes
+          self._cv.notify_all()
+          return item
+        if self._closed and self._outstanding == 0:
+          return None
+        self._cv.wait(0.1)
+
+  def sent(self, item: Outgoing) -> None:
+    self._on_sent(item)
+
+  def acked(self, item: Outgoing) -> None:
+    with self._cv:
+      self._outstanding -= 1
+      self._cv.notify_all()
+
+  def nacked(self, item: Outgoing, reason: str) -> None:
+    """The receiver read the frame and rejected it: send it again, first."""
+    with self._cv:
+      if self._error is not None:
+        return
+      item.attempt += 1
+      item.resend = True
+      self.resent += 1
+      self._queue.appendleft(item)
+      self._queued_bytes += item.nbytes
+      self._cv.notify_all()
+
+  def fail(self, err: TransferError) -> None:
+    self._fail(err)
+
+  def lane_died(self, lane, items: list[Outgoing], exc: BaseException) -> None:
+    """``lane`` broke with ``items`` unacknowledged: they go to the other lanes."""
+    if isinstance(exc, frames.ProtocolError):
+      # The receiver refused the connection itself (peer role, bad header):
+      # other connections would be refused alike.
+      with self._cv:
+        if lane in self._lanes:
+          self._lanes.remove(lane)
+      self._fail(TransferError(exc.code, f"data plane refused the connection: "
+                               f"{exc.message}", self.transfer_id))
+      return
+    replace = False
+    with self._cv:
+      if lane in self._lanes:
+        self._lanes.remove(lane)
+        self.lanes_lost += 1
+      if self._error is not None:
+        return
+      for item in reversed(items):
+        item.resend = True
+        self.resent += 1
+        self._queue.appendleft(item)
+        self._queued_bytes += item.nbytes
+      self._cv.notify_all()
+      if not self._lanes:
+        if self._replacements <= 0:
+          err = TransferError(Code.UNAVAILABLE, "every data-plane connection of this transfer "
+                              f"failed; last: {exc}", self.transfer_id)
+        else:
+          self._replacements -= 1
+          replace = True
+    if replace:
+      try:
+        fresh = self._pool.checkout(1, self.transfer_id, fresh=True)
+      except TransferError as e:
+        self._fail(TransferError(e.code, f"{e.message} (after losing every connection; "
+                                 f"last: {exc})", self.transfer_id))
+        return
+      with self._cv:
+        self._lanes.extend(fresh)
+      for f in fresh:
+        f.attach(self)
+    elif not self._lanes:
+      self._fail(err)
+
+  # -- internals -------------------------------------------------------------------------
+
+  def _check_deadline(self) -> None:
+    if self._error is None and time.monotonic() > self._deadline:
+      self._fail(TransferError(Code.DEADLINE_EXCEEDED, "transfer deadline passed with "
+                               f"{self._outstanding} frame(s) unacknowledged",
+                               self.transfer_id))
+
+  def _fail(self, err: TransferError) -> None:
+    with self._cv:
+      if self._error is not None:
+        return
+      self._error = err
+      self._queue.clear()
+      self._queued_bytes = 0
+      self._cv.notify_all()
+    self._on_error(err)
+
+  def _release_lanes(self) -> None:
+    with self._cv:
+      lanes, self._lanes = self._lanes, []
+      self._cv.notify_all()
+    for lane in lanes:
+      lane.detach(self)
+    self._pool.checkin(lanes)

@@ -1,0 +1,299 @@
+"""The TCP data plane (paas_jax.transport.dataplane) with real sockets, a real
+StateReceiver behind a real gRPC port, and real mTLS certificates."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+import threading
+import time
+
+import grpc
+import pytest
+
+from paas_jax import codec
+from paas_jax.codec.testing import assert_states_match, random_state
+from paas_jax.models import load_config
+from paas_jax.security import ca as ca_lib
+from paas_jax.security.tls import TLSConfig
+from paas_jax.state import abstract_state
+from paas_jax.transport import (ReceiverOptions, SenderOptions, StateReceiver, StateSender,
+                                TransferError, serve_receiver)
+from paas_jax.transport.dataplane import frames, tls as dp_tls
+from paas_jax.transport.dataplane.tuning import Tuning
+
+N = 50
+SMALL_CHUNKS = codec.CodecOptions(chunk_bytes=4096)
+
+
+@pytest.fixture(scope="module")
+def config():
+  return load_config("tiny_gdn_gqa")
+
+
+@pytest.fixture(scope="module")
+def state(config):
+  return random_state(config, [N], capacity=64, seed=3)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+  good = tmp_path_factory.mktemp("pki")
+  rogue = tmp_path_factory.mktemp("rogue")
+  files = ca_lib.make_certs(good, ("prefill-0", "decode-0", "broker-0"))
+  rogue_files = ca_lib.make_certs(rogue, ("prefill-0",))
+  return files, rogue_files
+
+
+@pytest.fixture
+def make_rx(config):
+  started = []
+
+  def make(**kw):
+    failures = []
+    receiver = StateReceiver(
+        models={config.name: config.fingerprint()},
+        template=lambda info: (abstract_state(config, 1, 128), None),
+        on_failure=lambda *a: failures.append(a),
+        options=ReceiverOptions(**kw.pop("options", {})))
+    server = serve_receiver(receiver, data_plane=True, **kw)
+    started.append(server)
+    server.failures = failures
+    return server
+
+  yield make
+  for server in started:
+    server.stop(0)
+
+
+def send(sender, config, state, **kw):
+  return sender.send_state(state, model_id=config.name, config_fingerprint=config.fingerprint(),
+                           **kw)
+
+
+def assert_clean(server, timeout=10.0):
+  """Nothing of a failed or finished transfer is left at the receiver."""
+  end = time.monotonic() + timeout
+  while time.monotonic() < end and server.receiver.active_transfers():
+    time.sleep(0.02)
+  assert server.receiver.active_transfers() == []
+  assert server.receiver.bytes_in_use == 0
+
+
+def test_round_trip_token_exact_and_connections_reused(config, state, make_rx):
+  rx = make_rx()
+  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=3)) as sender:
+    for _ in range(3):
+      result = send(sender, config, state, codec=SMALL_CHUNKS)
+      received = rx.receiver.ready.get(timeout=10)
+      assert_states_match(state, received.state, N)
+      tl = result.timeline
+      assert tl.status == "ok" and tl.num_connections == 3
+      assert tl.bytes_sent == tl.state_bytes == result.manifest.nbytes
+      assert tl.resent_chunks == 0
+    # Long-lived connections: three transfers, three connections in all.
+    assert rx.data_plane.connections_total == 3
+    lanes = [l for p in sender.data_planes for l in p.lanes()]
+    assert len(lanes) == 3 and all(l.frames_sent > 0 for l in lanes)  # striped
+  assert_clean(rx)
+
+
+def test_tls_round_trip_and_wrong_peers_refused(config, state, make_rx, pki):
+  files, rogue = pki
+  decode, prefill, broker = (TLSConfig.from_files(files[n])
+                             for n in ("decode-0", "prefill-0", "broker-0"))
+  rx = make_rx(credentials=decode.server(), data_ssl=dp_tls.server_context(decode),
+               data_peers=["prefill*"])
+
+  def options(tls):
+    return SenderOptions(plane="tcp", lanes=2, credentials=prefill.client(),
+                         data_ssl=dp_tls.client_context(tls), rpc_timeout_s=30,
+                         tuning=Tuning(connect_timeout_s=3))
+
+  with StateSender(rx.target, options=options(prefill)) as sender:
+    send(sender, config, state)
+  assert_states_match(state, rx.receiver.ready.get(timeout=10).state, N)
+  # A certificate from our CA naming the wrong role: PERMISSION_DENIED.
+  with StateSender(rx.target, options=options(broker)) as sender:
+    with pytest.raises(TransferError) as e:
+      send(sender, config, state)
+  assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "broker-0" in e.value.message
+  # A certificate from another CA: the handshake fails, UNAVAILABLE.
+  with StateSender(rx.target, options=options(TLSConfig.from_files(rogue["prefill-0"]))) as s:
+    with pytest.raises(TransferError) as e:
+      send(s, config, state)
+  assert e.value.code == grpc.StatusCode.UNAVAILABLE
+  assert rx.receiver.ready.empty()
+  assert_clean(rx)
+  with pytest.raises(ValueError, match="data_ssl"):
+    SenderOptions(plane="tcp", credentials=prefill.client())
+
+
+def test_killed_connection_frames_resent_on_the_others(config, state, make_rx):
+  rx = make_rx()
+  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=3)) as sender:
+    killed = []
+
+    def kill_one(lane, item, payload):
+      if item.is_chunk and not killed and lane.frames_sent >= 3:
+        killed.append(lane.index)
+        lane.sock.shutdown(socket.SHUT_RDWR)  # dies mid-transfer, frames outstanding
+      return payload
+
+    send(sender, config, state, codec=SMALL_CHUNKS)  # connect the lanes
+    rx.receiver.ready.get(timeout=10)
+    for pool in sender.data_planes:
+      for lane in pool.lanes():
+        lane._fault_hook = kill_one
+    result = send(sender, config, state, codec=SMALL_CHUNKS)
+    assert killed and result.timeline.resent_chunks >= 1
+    assert_states_match(state, rx.receiver.ready.get(timeout=10).state, N)
+
+    # Negative control: every connection keeps dying -> the transfer fails
+    # with UNAVAILABLE, and no partial state is ever handed over.
+    def kill_all(lane, item, payload):
+      lane.sock.shutdown(socket.SHUT_RDWR)
+      return payload
+
+    for pool in sender.data_planes:
+      pool.fault_hook = kill_all
+      for lane in pool.lanes():
+        lane._fault_hook = kill_all
+    with pytest.raises(TransferError) as e:
+      send(sender, config, state, codec=SMALL_CHUNKS)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+  assert rx.receiver.ready.empty()
+  assert_clean(rx)
+
+
+def test_corrupted_frame_named_and_resent(config, state, make_rx):
+  rx = make_rx()
+  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=2)) as sender:
+    corrupted = []
+
+    def corrupt_once(lane, item, payload):
+      if item.is_chunk and item.layer == 1 and not corrupted:
+        corrupted.append(item.key)
+        bad = bytearray(payload)
+        bad[len(bad) // 2] ^= 0xFF
+        return memoryview(bad)
+      return payload
+
+    sender.data_planes  # pools are created on the first Begin
+    result = None
+    send(sender, config, state, codec=SMALL_CHUNKS)
+    rx.receiver.ready.get(timeout=10)
+    for pool in sender.data_planes:
+      for lane in pool.lanes():
+        lane._fault_hook = corrupt_once
+    result = send(sender, config, state, codec=SMALL_CHUNKS)
+    assert corrupted and result.timeline.resent_chunks == 1
+    received = rx.receiver.ready.get(timeout=10)
+    assert received.timeline.rejected_chunks == 1
+    assert_states_match(state, received.state, N)
+
+    # Negative control: a chunk corrupted on every attempt fails the transfer
+    # with DATA_LOSS naming its layer and chunk.
+    def corrupt_always(lane, item, payload):
+      if item.is_chunk and item.layer == 1:
+        bad = bytearray(payload)
+        bad[0] ^= 0xFF
+        return memoryview(bad)
+      return payload
+
+    for pool in sender.data_planes:
+      for lane in pool.lanes():
+        lane._fault_hook = corrupt_always
+    with pytest.raises(TransferError) as e:
+      send(sender, config, state, codec=SMALL_CHUNKS)
+  assert e.value.code == grpc.StatusCode.DATA_LOSS
+  assert "layer 1, chunk 'layers/1/" in e.value.message and "crc32c" in e.value.message
+  assert rx.receiver.ready.empty()
+  assert_clean(rx)
+
+
+def test_receiver_that_stops_reading_bounds_sender_memory(config, state, make_rx):
+  rx = make_rx(options={"idle_timeout_s": 2.0})
+  gate = threading.Event()
+  original = rx.receiver.plane_chunk
+
+  def stuck(*args):
+    gate.wait(30)  # this connection stops reading
+    return original(*args)
+
+  rx.receiver.plane_chunk = stuck
+  options = SenderOptions(plane="tcp", lanes=2, window_bytes=16 << 10,
+                          max_inflight_bytes=32 << 10, rpc_timeout_s=30,
+                          tuning=Tuning(stall_timeout_s=0.5, rate_bytes_per_s=1e6,
+                                        rtt_s=1e-3))
+  # 16 layers of ~4 KiB chunks: far more than the bounds below.
+  big = random_state(config, [N], capacity=64, seed=4)
+  with StateSender(rx.target, options=options) as sender:
+    t0 = time.monotonic()
+    with sender.begin(model_id=config.name, config_fingerprint=config.fingerprint(),
+                      num_layers=config.n_layers, lengths=[N], codec=SMALL_CHUNKS) as tx:
+      with pytest.raises(TransferError) as e:
+        for i, layer in enumerate(big.layers):
+          tx.send_layer(i, layer)
+        tx.finish()
+      timeline = tx.timeline()
+    assert time.monotonic() - t0 < 20  # never a hang
+  assert e.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+  # What the sender queued and had unacknowledged stayed within its bounds.
+  assert timeline.peak_queued_bytes <= 32 << 10
+  assert timeline.bytes_sent < 3 * (2 * (16 << 10) + (32 << 10))
+  gate.set()
+  assert rx.receiver.ready.empty()
+  assert_clean(rx)
+
+
+def _raw_frame(tid: bytes, key: bytes, payload: bytes, *, length=None, magic=frames.MAGIC):
+  n = len(payload) if length is None else length
+  header = frames.HEADER.pack(magic, frames.VERSION, frames.CHUNK, len(tid), 7, 0, 0, len(key),
+                              n, 0)
+  return header + tid + key + payload
+
+
+def _reply(sock):
+  return frames.read_reply(sock, waitall=True)
+
+
+def test_bad_headers_refused_with_a_clear_error(config, state, make_rx):
+  rx = make_rx(options={"max_message_bytes": 1 << 20})
+  port = rx.data_plane.port
+  with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+    sock.sendall(_raw_frame(b"no-such-transfer", b"layers/0/k", b"x" * 100))
+    seq, kind, code, message = _reply(sock)
+    assert (seq, kind, code) == (7, frames.ERROR, grpc.StatusCode.NOT_FOUND)
+    assert "no-such-transfer" in message
+    # The connection stays usable after a refused transfer id.
+    sock.sendall(_raw_frame(b"other", b"k", b""))
+    assert _reply(sock)[2] == grpc.StatusCode.NOT_FOUND
+  with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+    sock.sendall(_raw_frame(b"t", b"k", b"", length=2 << 20))
+    _, kind, code, message = _reply(sock)
+    assert kind == frames.ERROR and code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "exceeds" in message
+    assert sock.recv(1) == b""  # closed: the byte stream cannot be trusted
+  with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+    sock.sendall(_raw_frame(b"t", b"k", b"", magic=b"HTTP"))
+    _, kind, code, message = _reply(sock)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "magic" in message
+  # Nothing leaked: no transfer, no budget, no connection thread left.
+  assert_clean(rx)
+  end = time.monotonic() + 5
+  while time.monotonic() < end and rx.data_plane.open_connections:
+    time.sleep(0.02)
+  assert rx.data_plane.open_connections == 0
+  # And the plane still works for a real sender.
+  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=2)) as sender:
+    send(sender, config, state)
+  assert_states_match(state, rx.receiver.ready.get(timeout=10).state, N)
+
+
+def test_plaintext_plane_beside_tls_grpc_is_refused(config, make_rx, pki):
+  files, _ = pki
+  decode = TLSConfig.from_files(files["decode-0"])
+  with pytest.raises(ValueError, match="plaintext"):
+    make_rx(credentials=decode.server())

@@ -27,8 +27,11 @@ import time
 from typing import Iterator, Sequence
 
 import grpc
+from absl import app, flags
+from google.protobuf import json_format
 
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
+from paas_jax.security import channel_credentials, read_token
 
 DEFAULT_BROKER = "127.0.0.1:50050"
 _ROUTES = {"auto": serving_pb2.ROUTE_AUTO, "local": serving_pb2.ROUTE_LOCAL,
@@ -80,7 +83,6 @@ class GenerationOutput:
 
 
 def _summary_dict(s: serving_pb2.RequestSummary) -> dict:
-  from google.protobuf import json_format  # pylint: disable=g-import-not-at-top
   return json_format.MessageToDict(s, preserving_proto_field_name=True,
                                    always_print_fields_with_no_presence=True)
 
@@ -191,14 +193,12 @@ def _fmt_bytes(n: float) -> str:
 
 def main(argv) -> int:
   del argv
-  from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   if not f.prompt and not f.prompt_ids:
     print("error: give --prompt or --prompt_ids", file=sys.stderr)
     return 2
   credentials = None
   if f.tls_ca:
-    from paas_jax.security import channel_credentials, read_token  # pylint: disable=g-import-not-at-top
     credentials = channel_credentials(f.tls_ca, f.tls_cert, f.tls_key,
                                       token=read_token(f.api_token_file))
   elif f.api_token_file:
@@ -253,7 +253,6 @@ def main(argv) -> int:
 
 
 def _define_flags():
-  from absl import flags  # pylint: disable=g-import-not-at-top
   flags.DEFINE_string("broker", DEFAULT_BROKER, "Broker address host:port.")
   flags.DEFINE_string("prompt", None, "Prompt text (byte-level for random-init models).")
   flags.DEFINE_list("prompt_ids", None, "Comma-separated prompt token ids.")
@@ -276,6 +275,5 @@ def _define_flags():
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
   _define_flags()
   app.run(main)

@@ -18,6 +18,8 @@ import os
 
 from absl import flags
 
+from paas_jax.observability.logs import configure_json_logging
+from paas_jax.observability.metrics import ServingMetrics
 from paas_jax.security import ServiceSecurity, TLSConfig, TokenSet
 from paas_jax.security.auth import TOKENS_ENV
 from paas_jax.security.tls import SecurityConfigError
@@ -89,7 +91,6 @@ def security_from_flags(role: str) -> ServiceSecurity:
 def setup_logging(server: str, level: str = "INFO") -> None:
   """Text or JSON logs (``--log_format``) for a process of role ``server``."""
   if FLAGS.log_format == "json":
-    from paas_jax.observability.logs import configure_json_logging  # pylint: disable=g-import-not-at-top
     configure_json_logging(level, server=server, pid=os.getpid())
   else:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
@@ -99,7 +100,6 @@ def setup_logging(server: str, level: str = "INFO") -> None:
 def start_metrics(server: str):
   """(ServingMetrics, port or None): the metrics object is always made (servers
   record into it); it is exposed over HTTP only with ``--metrics_port >= 0``."""
-  from paas_jax.observability.metrics import ServingMetrics  # pylint: disable=g-import-not-at-top
   metrics = ServingMetrics(server)
   port = None
   if FLAGS.metrics_port >= 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 
+from paas_jax.observability.logs import RequestIdInterceptor
 from paas_jax.security import ServiceSecurity
 
 
@@ -16,7 +17,6 @@ def server_interceptors(security: ServiceSecurity | None = None,
                         metrics=None) -> list[grpc.ServerInterceptor]:
   """Interceptors for a server with ``security`` (None: none) recording into
   ``metrics`` (a ``ServingMetrics`` or None)."""
-  from paas_jax.observability.logs import RequestIdInterceptor  # pylint: disable=g-import-not-at-top
   out: list[grpc.ServerInterceptor] = []
   if metrics is not None:
     out.append(metrics.interceptor())

@@ -158,6 +158,8 @@ def enable_compilation_cache(path: str | None) -> None:
   Compiling the tiny models takes seconds per shape on a small CPU; with the
   cache, a restarted or second process with the same model loads them instead.
   """
+  # Deferred, as every JAX import in this module: the broker and the front door
+  # import this module and must not load JAX (tests/test_layering.py).
   import jax  # pylint: disable=g-import-not-at-top
   if not path or path == "none":
     return
@@ -175,6 +177,7 @@ def load_model(config_name: str, seed: int = 0, checkpoint: str | None = None,
   seed holds the same weights. ``dtype`` ("bfloat16", "float32"): serve in
   that dtype (``with_dtype``) whatever the source's.
   """
+  # Deferred: JAX (see enable_compilation_cache).
   from paas_jax.models import api, load_config  # pylint: disable=g-import-not-at-top
   if checkpoint:
     from paas_jax.checkpoints import load_checkpoint  # pylint: disable=g-import-not-at-top
@@ -192,7 +195,7 @@ def with_dtype(model, dtype: str):
   from the loaded ones (not re-initialised), so a bf16 deployment of a
   random-init config serves the f32 deployment's weights, rounded.
   """
-  import dataclasses  # pylint: disable=g-import-not-at-top
+  # Deferred: JAX (see enable_compilation_cache).
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx, traverse_util  # pylint: disable=g-import-not-at-top
   from paas_jax.checkpoints.hf_import import abstract_params, model_from_params  # pylint: disable=g-import-not-at-top
@@ -267,6 +270,7 @@ def prefix_cache_gauges(engine, probe_ids: Sequence[int] = (), *,
   """
   hashed = bool(probe_hashes) or probe_block != 0
   if hashed:
+    # Deferred: paas_jax.state loads JAX; this module stays JAX-free for the broker.
     from paas_jax.state.prefix_cache import HASH_BYTES  # pylint: disable=g-import-not-at-top
     if probe_ids:
       raise ProbeError(grpc.StatusCode.INVALID_ARGUMENT,

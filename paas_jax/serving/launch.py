@@ -24,7 +24,14 @@ import tempfile
 import time
 from typing import Sequence
 
+import grpc
+
 from paas_jax.netem.link import LinkSpec
+from paas_jax.netem.netns import NetnsLink
+from paas_jax.security import TLSConfig, channel_credentials
+from paas_jax.security import ca as ca_lib
+from paas_jax.security.auth import write_token_files
+from paas_jax.security.faults import FlakyLink
 
 PY = sys.executable
 
@@ -208,7 +215,6 @@ class LocalCluster:
       a_host = b_host = "127.0.0.1"
       prefix: list[str] = []
       if spec.link is not None and spec.netem == "netns":
-        from paas_jax.netem.netns import NetnsLink  # pylint: disable=g-import-not-at-top
         self.netns = NetnsLink(spec.link).up()
         prefix = self.netns.exec_prefix()
         a_host, b_host = self.netns.a_ip, self.netns.b_ip
@@ -244,7 +250,6 @@ class LocalCluster:
       if spec.flaky_wan:
         if self.netns is not None:
           raise LaunchError("flaky_wan does not work with netem='netns'")
-        from paas_jax.security.faults import FlakyLink  # pylint: disable=g-import-not-at-top
         self.wan = FlakyLink(transfer_target).start()
         transfer_target = self.wan.address
       if spec.link is not None:
@@ -342,8 +347,6 @@ class LocalCluster:
   def _make_certs(self, a_host: str, b_host: str) -> None:
     if not self.spec.tls:
       return
-    from paas_jax.security import ca as ca_lib  # pylint: disable=g-import-not-at-top
-    from paas_jax.security.auth import write_token_files  # pylint: disable=g-import-not-at-top
     self.certs = self.workdir / "certs"
     hosts = tuple(dict.fromkeys(ca_lib.DEFAULT_HOSTS + (a_host, b_host)))
     ca_lib.make_certs(self.certs, ("broker", "prefill", "decode", "client"), hosts=hosts,
@@ -373,14 +376,12 @@ class LocalCluster:
 
   def tls_config(self, name: str):
     """A ``TLSConfig`` with the identity ``name`` (broker, prefill, decode, client)."""
-    from paas_jax.security import TLSConfig  # pylint: disable=g-import-not-at-top
     if self.certs is None:
       return TLSConfig.plaintext(name)
     return TLSConfig.from_dir(self.certs, name)
 
   def client_credentials(self, token: str | None = "default"):
     """Channel credentials of a public client of the broker (None: plaintext)."""
-    from paas_jax.security import channel_credentials  # pylint: disable=g-import-not-at-top
     if self.certs is None:
       return None
     return channel_credentials(self.certs / "ca.pem",
@@ -389,7 +390,6 @@ class LocalCluster:
   def channel(self, name: str, as_role: str = "broker"):
     """A gRPC channel to process ``name``'s control port, authenticated as
     ``as_role`` (mutual TLS with that role's certificate; plaintext without tls)."""
-    import grpc  # pylint: disable=g-import-not-at-top
     info = self.procs[name].info
     host = self.netns.a_ip if (name == "prefill" and self.netns is not None) else "127.0.0.1"
     target = f"{host}:{info['port']}"

@@ -64,6 +64,7 @@ import grpc
 import numpy as np
 
 from paas_jax.proto import serving_pb2
+from paas_jax.scheduling import ClusterView
 
 log = logging.getLogger("paas_jax.serving.live_view")
 
@@ -362,7 +363,6 @@ class LiveClusterState:
   # -- the router's inputs -------------------------------------------------------------
 
   def view(self):
-    from paas_jax.scheduling import ClusterView  # pylint: disable=g-import-not-at-top
     return ClusterView(link_bandwidth_bps=self.link_bandwidth_bps,
                        link_utilization=self.link_utilization(),
                        prfaas_queue_depth=sum(self.prfaas_queue),
@@ -384,6 +384,8 @@ class LiveClusterState:
     known (one hash computation per distinct pair), the ids otherwise; a
     server without a prefix cache, or a prompt without one complete block
     before its last token, gets no probe (it would answer 0)."""
+    # Deferred: paas_jax.state loads JAX, and the broker process (which imports this
+    # module) stays JAX-free until a prompt is probed.
     from paas_jax.state.prefix_cache import block_hashes, probe_tokens  # pylint: disable=g-import-not-at-top
     out, by_info, ids_req = [], {}, None
     for side, stubs in (("pdp", self.decode_stubs), ("prfaas", self.prefill_stubs)):

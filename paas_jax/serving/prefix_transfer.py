@@ -41,7 +41,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paas_jax.codec import CodecOptions
+from paas_jax.observability.health import FAST_RECONNECT
 from paas_jax.proto import serving_pb2
+from paas_jax.serving import common
+from paas_jax.serving.engine import EngineError
+from paas_jax.state import DecodeState, abstract_state, round_up
+from paas_jax.transport import LinkCounters, SenderOptions, StateSender, TransferError
+from paas_jax.transport.channels import make_channels
 
 log = logging.getLogger("paas_jax.serving.prefix_transfer")
 
@@ -69,7 +76,6 @@ def prefix_template(config, token_count: int) -> dict:
   ``jax.ShapeDtypeStruct``s; leaf names match the exporter's state plus
   ``prefix_tokens``.
   """
-  from paas_jax.state import abstract_state, round_up  # pylint: disable=g-import-not-at-top
   like = abstract_state(config, 1, round_up(max(token_count, 1)))
   return {"layers": like.layers, "lengths": like.lengths,
           "prefix_tokens": jax.ShapeDtypeStruct((token_count,), jnp.int32)}
@@ -107,7 +113,6 @@ class PrefixImporter:
 
   def on_ready(self, received) -> None:
     """Inserts a committed prefix; raising makes Commit fail (the export sees it)."""
-    from paas_jax.state import DecodeState  # pylint: disable=g-import-not-at-top
     st = received.state
     tokens = np.asarray(st["prefix_tokens"]).astype(np.int64)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
@@ -146,8 +151,6 @@ class PrefixExporter:
   def __init__(self, config, engine, *, codec=None, sender_options=None,
                credentials: grpc.ChannelCredentials | None = None, metrics=None,
                link: str = "A->B", link_counters=None):
-    from paas_jax.codec import CodecOptions  # pylint: disable=g-import-not-at-top
-    from paas_jax.transport import LinkCounters, SenderOptions  # pylint: disable=g-import-not-at-top
     self.config = config
     self.engine = engine
     # Exact: the entry is reused by many later prompts, which must stay token-exact.
@@ -166,9 +169,6 @@ class PrefixExporter:
                      "prefix_export_bytes": 0, "prefix_exports_failed": 0}
 
   def _sender(self, target: str):
-    from paas_jax.observability.health import FAST_RECONNECT  # pylint: disable=g-import-not-at-top
-    from paas_jax.transport import StateSender  # pylint: disable=g-import-not-at-top
-    from paas_jax.transport.channels import make_channels  # pylint: disable=g-import-not-at-top
     with self._lock:
       sender = self._senders.get(target)
       if sender is None:
@@ -216,9 +216,6 @@ class PrefixExporter:
 
   def serve(self, request, context) -> serving_pb2.ExportPrefixResponse:
     """The ``ExportPrefix`` RPC body (Prefill and Decode services)."""
-    from paas_jax.serving import common  # pylint: disable=g-import-not-at-top
-    from paas_jax.serving.engine import EngineError  # pylint: disable=g-import-not-at-top
-    from paas_jax.transport import TransferError  # pylint: disable=g-import-not-at-top
     try:
       prompt = self.check_request(request, self.config)
     except ValueError as e:

@@ -18,6 +18,8 @@ import json
 import pathlib
 from typing import Sequence
 
+from tokenizers import Tokenizer
+
 
 class ByteTokenizer:
   """UTF-8 bytes as token ids (needs ``vocab_size >= 256``)."""
@@ -186,7 +188,6 @@ def checkpoint_text(checkpoint: str | pathlib.Path, *, config_name: str = "",
   gen_config = _read_json(d / "generation_config.json")
   tokenizer = None
   if (d / TOKENIZER_FILE).is_file():
-    from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
     tokenizer = WrappedTokenizer(Tokenizer.from_file(str(d / TOKENIZER_FILE)))
   template = tok_config.get("chat_template")
   if isinstance(template, list):  # named templates: the default one

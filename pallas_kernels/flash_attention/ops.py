@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pallas_kernels import _dispatch
-from pallas_kernels.flash_attention import reference
+from pallas_kernels.flash_attention import kernel, reference
 
 
 def flash_attention(q, k, v, *, q_positions, kv_positions, window=None, q_segment_ids=None,
@@ -33,6 +33,5 @@ def flash_attention(q, k, v, *, q_positions, kv_positions, window=None, q_segmen
     return reference.attention_reference(q, k, v, **kwargs)
   if path == "xla":
     return reference.attention_xla(q, k, v, block_k=block_k, **kwargs)
-  from pallas_kernels.flash_attention import kernel  # pylint: disable=g-import-not-at-top
   return kernel.flash_attention_pallas(q, k, v, block_q=block_q, block_k=block_k,
                                        backend=path, **kwargs)

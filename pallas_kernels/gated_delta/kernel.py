@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from pallas_kernels import _compat as pc
 from pallas_kernels import _dispatch
 from pallas_kernels._common import require
+from pallas_kernels.gated_delta import kernel_gpu
 from pallas_kernels.gated_delta.reference import (check_chunk_inputs, chunk_prepare, unchunk)
 
 
@@ -103,6 +104,5 @@ def chunk_gated_delta_pallas(q, k, v, g, beta, *, initial_state=None, chunk_size
   if form == pc.TPU:
     o, s = _recurrence_tpu(prep, s0, interpret=interpret)
   else:
-    from pallas_kernels.gated_delta import kernel_gpu  # pylint: disable=g-import-not-at-top
     o, s = kernel_gpu.recurrence_gpu(prep, s0, interpret=interpret)
   return unchunk(o, t).astype(q.dtype), s

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pallas_kernels import _dispatch
-from pallas_kernels.gated_delta import reference
+from pallas_kernels.gated_delta import kernel, reference
 
 
 def chunk_gated_delta(q, k, v, g, beta, *, initial_state=None, chunk_size=64, scale=None,
@@ -29,7 +29,6 @@ def chunk_gated_delta(q, k, v, g, beta, *, initial_state=None, chunk_size=64, sc
   if path == "xla":
     return reference.chunk_gated_delta_xla(q, k, v, g, beta, initial_state=initial_state,
                                            chunk_size=chunk_size, scale=scale)
-  from pallas_kernels.gated_delta import kernel  # pylint: disable=g-import-not-at-top
   return kernel.chunk_gated_delta_pallas(
       q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size, scale=scale,
       backend=path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pallas_kernels import _dispatch
-from pallas_kernels.paged_attention import reference
+from pallas_kernels.paged_attention import kernel, reference
 
 
 def paged_attention(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None, window=None,
@@ -30,7 +30,6 @@ def paged_attention(q, k_pages, v_pages, lengths, page_table, *, sm_scale=None, 
     # memory-bound optimum on CPU, so the XLA path is the reference itself.
     return reference.paged_attention_reference(q, k_pages, v_pages, lengths, page_table,
                                                sm_scale=sm_scale, window=window)
-  from pallas_kernels.paged_attention import kernel  # pylint: disable=g-import-not-at-top
   return kernel.paged_attention_pallas(q, k_pages, v_pages, lengths, page_table,
                                        sm_scale=sm_scale, window=window, backend=path)
 
@@ -55,6 +54,5 @@ def paged_mla_attention(q_latent, q_rope, latent_pages, rope_pages, lengths, pag
   if path in ("reference", "xla"):
     return reference.paged_mla_reference(q_latent, q_rope, latent_pages, rope_pages, lengths,
                                          page_table, sm_scale=sm_scale)
-  from pallas_kernels.paged_attention import kernel  # pylint: disable=g-import-not-at-top
   return kernel.paged_mla_attention_pallas(q_latent, q_rope, latent_pages, rope_pages, lengths,
                                            page_table, sm_scale=sm_scale, backend=path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pallas_kernels import _dispatch
-from pallas_kernels.ssd import reference
+from pallas_kernels.ssd import kernel, reference
 
 
 def ssd(x, dt, A, B, C, *, initial_state=None, chunk_size=64, impl="auto"):  # pylint: disable=invalid-name
@@ -27,7 +27,6 @@ def ssd(x, dt, A, B, C, *, initial_state=None, chunk_size=64, impl="auto"):  # p
     return reference.ssd_naive(x, dt, A, B, C, initial_state=initial_state)
   if path == "xla":
     return reference.ssd_xla(x, dt, A, B, C, initial_state=initial_state, chunk_size=chunk_size)
-  from pallas_kernels.ssd import kernel  # pylint: disable=g-import-not-at-top
   return kernel.ssd_pallas(x, dt, A, B, C, initial_state=initial_state, chunk_size=chunk_size,
                            backend=path)
 

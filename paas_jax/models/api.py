@@ -20,6 +20,8 @@ from flax import nnx
 from paas_jax.models.attention import Chunk
 from paas_jax.models.config import ModelConfig
 from paas_jax.models.hybrid import HybridLM
+from paas_jax.models.layers import MoE
+from paas_jax.models.moe_dispatch import DISPATCH_MODES
 from paas_jax.models.sampling_params import SamplingParams
 from paas_jax.state import (DecodeState, HybridPrefixCache, LayerCache, init_state,
                             round_up)
@@ -56,6 +58,20 @@ class Model:
 
   def module(self) -> HybridLM:
     return nnx.merge(self.graphdef, self.params)
+
+  def with_moe_dispatch(self, dispatch: str, impl: str | None = None) -> "Model":
+    """The same parameters with every MoE layer evaluated ``dispatch``-wise
+    ("sparse" or "dense", see ``layers.MoE``) and, if given, its grouped
+    matmul on ``impl``. Arrays are shared, not copied."""
+    if dispatch not in DISPATCH_MODES:
+      raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
+    module = self.module()
+    for block in module.blocks:
+      if isinstance(block.ffn, MoE):
+        block.ffn.dispatch = dispatch
+        if impl is not None:
+          block.ffn.impl = impl
+    return Model.from_module(module)
 
   @property
   def n_params(self) -> int:

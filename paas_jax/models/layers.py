@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from paas_jax.models import moe_dispatch
 from paas_jax.models.config import ModelConfig, MoEConfig
 
 
@@ -121,15 +122,24 @@ class MoE(nnx.Module):
 
   Experts use ``config.ffn_activation`` (SwiGLU, or squared ReLU without a
   gate projection). Routing follows ``MoEConfig`` (softmax or sigmoid scores,
-  optional balancing bias and group-limited choice, normalisation, scale).
-  Every expert is evaluated densely and combined with the (sparse) routing
-  weights: exact, simple and fine for the small models run on CPU; the
-  expert axis is the natural one to shard on accelerators.
+  optional balancing bias and group-limited choice, normalisation, scale;
+  see ``moe_dispatch.route``).
+
+  ``dispatch`` selects the evaluation (a static attribute, part of the graph
+  definition): ``"sparse"`` (default) sorts the (token, expert) assignments
+  by expert and runs grouped matmuls over the chosen pairs only
+  (``moe_dispatch.sparse_experts``); ``"dense"`` evaluates every expert on
+  every token and combines with the (sparse) routing weights, the simple
+  reference the sparse path is tested against. ``impl`` picks the grouped
+  matmul's implementation (``pallas_kernels`` impl names).
   """
 
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dispatch: str = "sparse",
+               impl: str = "auto"):
     moe: MoEConfig = config.moe
     self.moe = moe
+    self.dispatch = dispatch
+    self.impl = impl
     d, e, f = config.d_model, moe.n_experts, moe.d_expert
     init = nnx.initializers.normal(stddev=d ** -0.5)
     if moe.router_in_fp32:
@@ -154,42 +164,43 @@ class MoE(nnx.Module):
     self.score_bias = (nnx.Param(jnp.zeros((e,), jnp.float32))
                        if moe.score_correction_bias else None)
 
-  def _keep_top_groups(self, choice: jax.Array) -> jax.Array:
-    """Masks (-inf) the experts outside each token's ``top_k_groups`` groups,
-    ranking groups by the sum of their two best scores (DeepSeek-V3)."""
-    moe = self.moe
-    per_group = moe.n_experts // moe.n_groups
-    grouped = choice.reshape(choice.shape[:-1] + (moe.n_groups, per_group))
-    group_score = jnp.sum(jax.lax.top_k(grouped, min(2, per_group))[0], axis=-1)
-    _, top_groups = jax.lax.top_k(group_score, moe.top_k_groups)
-    keep = jnp.any(top_groups[..., :, None] == jnp.arange(moe.n_groups), axis=-2)
-    return jnp.where(jnp.repeat(keep, per_group, axis=-1), choice, -jnp.inf)
+  def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(top_idx int32 [..., top_k], top_weights f32 [..., top_k]) for x [..., d]."""
+    logits = self.router(x).astype(jnp.float32)  # an f32 router casts x itself
+    bias = None if self.score_bias is None else self.score_bias[...]
+    return moe_dispatch.route(self.moe, logits, bias)
 
   def routing_weights(self, x: jax.Array) -> jax.Array:
     """Dense routing weights [..., n_experts], zero outside each token's top-k."""
-    moe = self.moe
-    logits = self.router(x).astype(jnp.float32)  # an f32 router casts x itself
-    scores = (jax.nn.softmax(logits, axis=-1) if moe.router == "softmax"
-              else jax.nn.sigmoid(logits))
-    choice = scores if self.score_bias is None else scores + self.score_bias[...]
-    if moe.n_groups > 1:
-      choice = self._keep_top_groups(choice)
-    _, top_idx = jax.lax.top_k(choice, moe.top_k)
-    top_vals = jnp.take_along_axis(scores, top_idx, axis=-1)
-    if moe.normalize_top_k:
-      top_vals = top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
-    if moe.routed_scale != 1.0:
-      top_vals = top_vals * moe.routed_scale
-    onehot = jax.nn.one_hot(top_idx, moe.n_experts, dtype=jnp.float32)
-    return jnp.einsum("...k,...ke->...e", top_vals, onehot)
+    return moe_dispatch.dense_weights(*self.route(x), self.moe.n_experts)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def _dense_experts(self, x: jax.Array) -> jax.Array:
     weights = self.routing_weights(x).astype(x.dtype)
     dt = x.dtype
     gate = (jnp.einsum("...d,edf->...ef", x, self.w_gate[...].astype(dt))
             if self.w_gate is not None else None)
     h = _hidden_activation(jnp.einsum("...d,edf->...ef", x, self.w_up[...].astype(dt)), gate)
-    y = jnp.einsum("...ef,efd,...e->...d", h, self.w_down[...].astype(dt), weights)
+    return jnp.einsum("...ef,efd,...e->...d", h, self.w_down[...].astype(dt), weights)
+
+  def _sparse_experts(self, x: jax.Array) -> jax.Array:
+    dt = x.dtype
+    flat = x.reshape(-1, x.shape[-1])
+    top_idx, top_weights = self.route(flat)
+    y = moe_dispatch.sparse_experts(
+        flat, top_idx, top_weights,
+        self.w_gate[...].astype(dt) if self.w_gate is not None else None,
+        self.w_up[...].astype(dt), self.w_down[...].astype(dt), _hidden_activation,
+        impl=self.impl)
+    return y.reshape(x.shape)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    if self.dispatch == "sparse":
+      y = self._sparse_experts(x)
+    elif self.dispatch == "dense":
+      y = self._dense_experts(x)
+    else:
+      raise ValueError(f"MoE.dispatch must be one of {moe_dispatch.DISPATCH_MODES}, "
+                       f"got {self.dispatch!r}")
     if self.shared is not None:
       shared = self.shared(x)
       if self.shared_gate is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pallas_kernels import _dispatch
-from pallas_kernels.grouped_matmul import reference
+from pallas_kernels.grouped_matmul import kernel, reference
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, tile=None, out_dtype=None, impl="auto"):
@@ -25,6 +25,5 @@ def grouped_matmul(lhs, rhs, group_sizes, *, tile=None, out_dtype=None, impl="au
     return reference.grouped_matmul_reference(lhs, rhs, group_sizes, out_dtype=out_dtype)
   if path == "xla":
     return reference.grouped_matmul_xla(lhs, rhs, group_sizes, tile=tile, out_dtype=out_dtype)
-  from pallas_kernels.grouped_matmul import kernel  # pylint: disable=g-import-not-at-top
   return kernel.grouped_matmul_pallas(lhs, rhs, group_sizes, tile=tile, out_dtype=out_dtype,
                                       backend=path)

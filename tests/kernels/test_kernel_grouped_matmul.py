@@ -17,6 +17,7 @@ import pytest
 from kernel_test_util import PallasCase, assert_close, lower_for_platform, rms_rel_err
 from pallas_kernels import last_impl
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul.kernel import grouped_matmul_pallas
 from pallas_kernels.grouped_matmul.reference import default_tile, visit_metadata
 
 _gmm = jax.jit(grouped_matmul, static_argnames=("tile", "out_dtype", "impl"))
@@ -156,7 +157,6 @@ class TestGroupedMatmulPallasGpuInterpret(TestGroupedMatmulPallasGpu):
 
 @pytest.mark.parametrize("platform,backend", [("tpu", "pallas_tpu"), ("cuda", "pallas_gpu")])
 def test_kernels_lower_for_accelerators(platform, backend):
-  from pallas_kernels.grouped_matmul.kernel import grouped_matmul_pallas  # pylint: disable=g-import-not-at-top
   spec = jax.ShapeDtypeStruct
 
   def fn(x, w, gs):

@@ -49,6 +49,11 @@ flags.DEFINE_list("tokens", ["512", "1024", "1024"],
 flags.DEFINE_integer("repeats", 3, "Timed repetitions per measurement (median reported).")
 flags.DEFINE_integer("streams", 4, "Parallel gRPC streams.")
 flags.DEFINE_string("pipeline_codec", "raw", "Codec of the time-to-ready runs.")
+flags.DEFINE_bool("planes", False, "Only the transport table (experiments/transfer_planes.py): "
+                  "raw TCP plain/TLS, bare gRPC, the gRPC path and the TCP data plane with 1 "
+                  "and --lanes connections, CPU s/GB per side, fixed cost per transfer.")
+flags.DEFINE_integer("lanes", 4, "Data-plane connections of the N-connection rows.")
+flags.DEFINE_bool("tls", True, "Also measure the TLS rows (--planes).")
 
 
 # -- receivers in child processes ---------------------------------------------------
@@ -396,6 +401,26 @@ def main(argv):
              "flags": {"models": models, "tokens": tokens, "repeats": FLAGS.repeats,
                        "streams": FLAGS.streams, "pipeline_codec": FLAGS.pipeline_codec},
              "models": {}}
+  if FLAGS.planes:
+    from experiments import transfer_planes
+    from paas_jax.models import load_config
+    results["flags"].update(planes=True, lanes=FLAGS.lanes, tls=FLAGS.tls)
+    for name, n in zip(models, tokens):
+      results["models"][name] = transfer_planes.run(
+          load_config(name), n, lanes=FLAGS.lanes, streams=FLAGS.streams,
+          repeats=FLAGS.repeats, tls=FLAGS.tls, progress=lambda m: print(m, flush=True))
+      with open(FLAGS.json_out, "w") as f:
+        json.dump(results, f, indent=2)
+    for name, r in results["models"].items():
+      print(name, r["payload_bytes"], "bytes")
+      for row, v in r["rows"].items():
+        print(f"  {row:16s} {v['goodput_gbps']:6.2f} GB/s  x{v['vs_raw_tcp']:.2f} raw  "
+              f"cpu s/GB tx {v['cpu_s_per_gb_sender']:.3f} rx {v['cpu_s_per_gb_receiver']:.3f}"
+              + (f"  fixed {v['fixed_cost']['median_s'] * 1e3:.2f} ms"
+                 if "fixed_cost" in v else ""))
+      print(f"  raw TCP rtt {r['raw_tcp_rtt_s'] * 1e6:.0f} us; tcp plane vs gRPC path "
+            f"x{r['tcp_vs_grpc_path']:.2f}")
+    return
   with tqdm(total=5 * len(models), desc="bench_transfer") as progress:
     for name, n in zip(models, tokens):
       progress.set_postfix_str(name)

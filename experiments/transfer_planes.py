@@ -1,0 +1,331 @@
+"""Side-by-side goodput of every way this repo can move a state's bytes.
+
+Flag-free (``bench_transfer.py --planes`` drives it). For one encoded state,
+each receiver in its own process (no shared GIL), one run measures:
+
+* raw TCP (plain and TLS): the same bytes, length-prefixed, into a reused
+  buffer: the ceiling;
+* bare gRPC: one Push stream of prebuilt frames into a servicer that drops
+  them: the floor of any gRPC-Python transport;
+* the old gRPC path (StateSender plane="grpc", 1 and N streams);
+* the data plane (plane="tcp", 1 and N connections, plain and TLS);
+* CPU seconds per GB on each side (process CPU time of the sender and of the
+  receiver process, divided by payload GB);
+* fixed cost per transfer on a tiny state (Begin to committed), next to one
+  raw TCP round trip and the receiver's commit check.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import ssl
+import statistics
+import struct
+import tempfile
+import threading
+import time
+
+# -- child processes ------------------------------------------------------------------
+
+
+def _cpu_loop(conn) -> None:
+  """Answers "cpu" with this process's CPU seconds until told to stop."""
+  while True:
+    msg = conn.recv()
+    if msg == "cpu":
+      conn.send(time.process_time())
+    else:
+      return
+
+
+def _serve_receiver(conn, models: dict, pki_dir: str | None) -> None:
+  from paas_jax.security.tls import TLSConfig
+  from paas_jax.transport import ReceiverOptions, StateReceiver, serve_receiver
+  from paas_jax.transport.dataplane import tls as dp_tls
+
+  def on_ready(received):
+    received.release()
+
+  receiver = StateReceiver(models=models, on_ready=on_ready,
+                           options=ReceiverOptions(byte_budget=8 << 30))
+  kw = {}
+  if pki_dir:
+    tls = TLSConfig.from_dir(pki_dir, "decode-0")
+    kw = dict(credentials=tls.server(), data_ssl=dp_tls.server_context(tls),
+              data_peers=["prefill*"])
+  server = serve_receiver(receiver, "127.0.0.1:0", max_workers=64, data_plane=True, **kw)
+  conn.send(server.port)
+  _cpu_loop(conn)
+  server.stop(0)
+
+
+def _serve_null(conn) -> None:
+  from paas_jax.proto import transport_pb2, transport_pb2_grpc
+  from paas_jax.transport import channels
+
+  class Null(transport_pb2_grpc.StateTransferServicer):
+    def Push(self, request_iterator, context):
+      n = sum(1 for _ in request_iterator)
+      return transport_pb2.PushSummary(chunks=n)
+
+  server = channels.make_server(max_workers=8)
+  transport_pb2_grpc.add_StateTransferServicer_to_server(Null(), server)
+  port = channels.add_port(server, "127.0.0.1:0")
+  server.start()
+  conn.send(port)
+  _cpu_loop(conn)
+  server.stop(0)
+
+
+def _serve_tcp(conn, pki_dir: str | None) -> None:
+  """Length-prefixed payloads into one reused buffer, acknowledged with one byte;
+  a zero-length payload is a ping (the round trip)."""
+  ctx = None
+  if pki_dir:
+    from paas_jax.security.tls import TLSConfig
+    from paas_jax.transport.dataplane import tls as dp_tls
+    ctx = dp_tls.server_context(TLSConfig.from_dir(pki_dir, "decode-0"))
+  listener = socket.create_server(("127.0.0.1", 0))
+  buf = bytearray(4 << 20)
+  view = memoryview(buf)
+
+  def handle(sock):
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if ctx is not None:
+      sock = ctx.wrap_socket(sock, server_side=True)
+    with sock:
+      header = bytearray(8)
+      while True:
+        got = 0
+        while got < 8:
+          n = sock.recv_into(memoryview(header)[got:])
+          if not n:
+            return
+          got += n
+        (total,) = struct.unpack("<Q", header)
+        got = 0
+        while got < total:
+          # MSG_WAITALL on plaintext (the data plane reads objects the same way),
+          # so the ceiling is not lowered by one wakeup per segment.
+          want = min(len(buf), total - got)
+          n = (sock.recv_into(view, want) if ctx is not None
+               else sock.recv_into(view, want, socket.MSG_WAITALL))
+          if n == 0:
+            return
+          got += n
+        sock.sendall(b"k")
+
+  def accept_loop():
+    while True:
+      try:
+        sock, _ = listener.accept()
+      except OSError:
+        return
+      threading.Thread(target=handle, args=(sock,), daemon=True).start()
+
+  threading.Thread(target=accept_loop, daemon=True).start()
+  conn.send(listener.getsockname()[1])
+  _cpu_loop(conn)
+  listener.close()
+
+
+class Child:
+  def __init__(self, target, *args):
+    ctx = mp.get_context("spawn")
+    self.conn, child_conn = ctx.Pipe()
+    self.proc = ctx.Process(target=target, args=(child_conn, *args), daemon=True)
+    self.proc.start()
+    if not self.conn.poll(180):
+      raise RuntimeError(f"{target.__name__} did not start")
+    self.port = self.conn.recv()
+
+  def cpu(self) -> float:
+    self.conn.send("cpu")
+    return self.conn.recv()
+
+  def stop(self):
+    try:
+      self.conn.send("stop")
+    except (BrokenPipeError, OSError):
+      pass
+    self.proc.join(10)
+    if self.proc.is_alive():
+      self.proc.kill()
+
+
+# -- measurements -----------------------------------------------------------------------
+
+
+def _measure_interleaved(rows: list, repeats: int, payload: int) -> dict:
+  """Times every (name, fn, receiver child) once per round, ``repeats`` rounds,
+  so that load from other processes on a shared machine hits all rows alike;
+  the median run and CPU seconds per GB of each side are reported."""
+  for _, fn, _ in rows:
+    fn()  # warm-up: connections, TLS sessions, code paths
+  times = {name: [] for name, _, _ in rows}
+  cpu = {name: [0.0, 0.0] for name, _, _ in rows}
+  for _ in range(repeats):
+    for name, fn, rx in rows:
+      tx0, rx0 = time.process_time(), rx.cpu()
+      t0 = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t0)
+      cpu[name][0] += time.process_time() - tx0
+      cpu[name][1] += rx.cpu() - rx0
+  gb = payload * repeats / 1e9
+  out = {}
+  for name in times:
+    t = statistics.median(times[name])
+    out[name] = {"goodput_gbps": payload / t / 1e9, "median_s": t, "runs_s": times[name],
+                 "cpu_s_per_gb_sender": cpu[name][0] / gb,
+                 "cpu_s_per_gb_receiver": cpu[name][1] / gb}
+  return out
+
+
+def _tcp_client(port: int, ctx: ssl.SSLContext | None):
+  sock = socket.create_connection(("127.0.0.1", port))
+  sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  return ctx.wrap_socket(sock, server_hostname="127.0.0.1") if ctx is not None else sock
+
+
+def _tcp_send(sock, views) -> None:
+  total = sum(len(v) for v in views)
+  sock.sendall(struct.pack("<Q", total))
+  for v in views:
+    sock.sendall(v)
+  if sock.recv(1) != b"k":
+    raise RuntimeError("TCP receiver did not acknowledge")
+
+
+def _tcp_rtt(sock, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    _tcp_send(sock, [])
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _bare_grpc(port: int, groups):
+  from paas_jax.proto import transport_pb2, transport_pb2_grpc
+  from paas_jax.transport import channels
+  frames = [transport_pb2.Frame(chunk=transport_pb2.Chunk(key=k, data=v, nbytes=len(v)))
+            for g in groups for k, v in g.blobs.items()]
+  channel = channels.make_channels(f"127.0.0.1:{port}", 1)[0]
+  stub = transport_pb2_grpc.StateTransferStub(channel)
+  return channel, lambda: stub.Push(iter(frames), timeout=300)
+
+
+def _sender_send(sender, groups, *, model_id, fingerprint, num_layers, tokens):
+  with sender.begin(model_id=model_id, config_fingerprint=fingerprint, num_layers=num_layers,
+                    lengths=[tokens]) as tx:
+    for g in groups:
+      tx.send_encoded(g)
+    return tx.finish()
+
+
+def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: bool = True,
+        fixed_repeats: int = 30, progress=print) -> dict:
+  """Every row of the table for ``config``'s state at ``tokens`` (random content)."""
+  from paas_jax import codec
+  from paas_jax.codec.testing import random_state
+  from paas_jax.security import ca as ca_lib
+  from paas_jax.security.tls import TLSConfig
+  from paas_jax.transport import SenderOptions, StateSender
+  from paas_jax.transport.dataplane import tls as dp_tls
+
+  state = random_state(config, [tokens], capacity=tokens, seed=0)
+  groups = list(codec.encode_groups(state))
+  views = [memoryview(b) for g in groups for b in g.blobs.values()]
+  payload = sum(len(v) for v in views)
+  models = {config.name: config.fingerprint()}
+  send = lambda s: _sender_send(s, groups, model_id=config.name, fingerprint=config.fingerprint(),
+                                num_layers=config.n_layers, tokens=tokens)
+  out: dict = {"payload_bytes": payload, "chunks": len(views), "rows": {}}
+  rows = out["rows"]
+  pki = tempfile.mkdtemp(prefix="bench-pki-")
+  ca_lib.make_certs(pki, ("prefill-0", "decode-0"))
+  prefill_tls = TLSConfig.from_dir(pki, "prefill-0")
+  settings = [("plain", None)] + ([("tls", pki)] if tls else [])
+  for label, pki_dir in settings:
+    client_ctx = dp_tls.client_context(prefill_tls) if pki_dir else None
+    creds = prefill_tls.client() if pki_dir else None
+    children = [Child(_serve_tcp, pki_dir), Child(_serve_receiver, models, pki_dir)]
+    tcp, rx = children
+    closers = []
+    try:
+      sock = _tcp_client(tcp.port, client_ctx)
+      closers.append(sock.close)
+      plan = [(f"raw_tcp_{label}", lambda sock=sock: _tcp_send(sock, views), tcp)]
+      if label == "plain":
+        out["raw_tcp_rtt_s"] = _tcp_rtt(sock, fixed_repeats * 3)
+        null = Child(_serve_null)
+        children.append(null)
+        channel, fn = _bare_grpc(null.port, groups)
+        closers.append(channel.close)
+        plan.append(("bare_grpc_plain", fn, null))
+      target = f"127.0.0.1:{rx.port}"
+      senders = {}
+      kinds = [("grpc", 1), ("grpc", streams)] if label == "plain" else [("grpc", streams)]
+      kinds += [("tcp", 1), ("tcp", lanes)]
+      for plane, n in dict.fromkeys(kinds):
+        opts = SenderOptions(plane=plane, num_streams=n, num_connections=n, lanes=n,
+                             credentials=creds, data_ssl=client_ctx)
+        sender = StateSender(target, options=opts)
+        closers.append(sender.close)
+        senders[(plane, n)] = sender
+        plan.append((f"{plane}_{n}_{label}", lambda sender=sender: send(sender), rx))
+      rows.update(_measure_interleaved(plan, repeats, payload))
+      progress(f"{label} rows done")
+      if label == "plain":
+        for plane, n in (("grpc", 1), ("tcp", lanes)):
+          rows[f"{plane}_{n}_plain"]["fixed_cost"] = _fixed_cost(senders[(plane, n)], config,
+                                                                 fixed_repeats)
+    finally:
+      for close in closers:
+        close()
+      for child in children:
+        child.stop()
+  base = {lbl: rows[f"raw_tcp_{lbl}"]["goodput_gbps"] for lbl, _ in settings}
+  for name, row in rows.items():
+    row["vs_raw_tcp"] = row["goodput_gbps"] / base[name.rsplit("_", 1)[1]]
+  old = max(rows[f"grpc_{n}_plain"]["goodput_gbps"] for n in {1, streams})
+  new = max(rows[f"tcp_{n}_plain"]["goodput_gbps"] for n in {1, lanes})
+  out["tcp_vs_grpc_path"] = new / old
+  return out
+
+
+def _fixed_cost(sender, config, repeats: int) -> dict:
+  """Begin to committed for a tiny state (a few tokens), median of ``repeats``."""
+  from paas_jax import codec
+  from paas_jax.codec.testing import random_state
+  state = random_state(config, [4], capacity=4, seed=1)
+  groups = list(codec.encode_groups(state))
+  nbytes = sum(len(b) for g in groups for b in g.blobs.values())
+  times, checks = [], []
+  for i in range(repeats + 3):
+    t0 = time.perf_counter()
+    result = _sender_send(sender, groups, model_id=config.name,
+                          fingerprint=config.fingerprint(), num_layers=config.n_layers,
+                          tokens=4)
+    if i >= 3:
+      times.append(time.perf_counter() - t0)
+      checks.append(_commit_check_s(result))
+  return {"state_bytes": nbytes, "median_s": statistics.median(times),
+          "commit_check_s": statistics.median(checks)}
+
+
+def _commit_check_s(result) -> float:
+  """What the receiver's Commit does on top of the round trip, timed in
+  process: parse the manifest JSON and compare every group and chunk with
+  what arrived (here: with the sender's own entries)."""
+  from paas_jax.codec.manifest import StateManifest
+  text = result.manifest.to_json()
+  t0 = time.perf_counter()
+  manifest = StateManifest.from_json(text)
+  keys = {c.key for g in manifest.groups for _, c in g.chunks()}
+  missing = [c.key for g in result.manifest.groups for _, c in g.chunks() if c.key not in keys]
+  assert not missing
+  return time.perf_counter() - t0

@@ -11,4 +11,7 @@ def get_config() -> ModelConfig:
                                 qk_norm=True, rope_fraction=0.5),
       gated_delta=GatedDeltaConfig(n_k_heads=2, n_v_heads=4, head_k_dim=16, head_v_dim=16,
                                    gate="gdn"),
-      max_seq_len=1024)
+      # Untied head: tied to unit-scale embeddings, the random-init model echoes
+      # the last prompt token and decodes the same text from a wrong or zeroed
+      # state (issue #12, experiments/state_sensitivity.py).
+      tie_embeddings=False, max_seq_len=1024)

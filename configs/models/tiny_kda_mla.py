@@ -13,4 +13,7 @@ def get_config() -> ModelConfig:
                                    gate="kda"),
       moe=MoEConfig(n_experts=4, top_k=2, d_expert=32, n_shared_experts=1,
                     router="sigmoid"),
-      max_seq_len=1024)
+      # Untied head: tied to unit-scale embeddings, the random-init model echoes
+      # the last prompt token and decodes the same text from a wrong or zeroed
+      # state (issue #12, experiments/state_sensitivity.py).
+      tie_embeddings=False, max_seq_len=1024)

@@ -9,4 +9,7 @@ def get_config() -> ModelConfig:
       d_ff=128,
       attention=AttentionConfig(n_heads=4, n_kv_heads=1, head_dim=16),
       mamba2=Mamba2Config(n_heads=4, head_dim=16, d_state=16, n_groups=2),
-      max_seq_len=1024)
+      # Untied head: tied to unit-scale embeddings, the random-init model echoes
+      # the last prompt token and decodes the same text from a wrong or zeroed
+      # state (issue #12, experiments/state_sensitivity.py).
+      tie_embeddings=False, max_seq_len=1024)

@@ -178,6 +178,10 @@ class StateManifest:
     codec: the options it was encoded with.
     layers: one entry per layer, in layer order.
     state_arrays: arrays outside ``layers`` (e.g. ``lengths``), index -1.
+    placements: for a shard-to-shard transfer between multi-process regions,
+      ``{"source": ..., "target": ...}`` (``shard_plan.StatePlacement.to_dict``:
+      both meshes, with the process of each device, and each leaf's
+      partition spec); None otherwise (and then not serialized).
   """
 
   model_id: str
@@ -189,6 +193,7 @@ class StateManifest:
   state_arrays: LayerEntry
   format: str = FORMAT
   version: int = FORMAT_VERSION
+  placements: dict | None = None
 
   @property
   def layer_kinds(self) -> tuple[str, ...]:
@@ -225,13 +230,16 @@ class StateManifest:
     return out
 
   def to_dict(self) -> dict:
-    return {
+    d = {
         "format": self.format, "version": self.version, "model_id": self.model_id,
         "config_fingerprint": self.config_fingerprint, "token_count": self.token_count,
         "batch": self.batch, "codec": self.codec.to_dict(),
         "layers": [layer.to_dict() for layer in self.layers],
         "state_arrays": self.state_arrays.to_dict(),
     }
+    if self.placements is not None:
+      d["placements"] = self.placements
+    return d
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), sort_keys=True)
@@ -250,7 +258,8 @@ class StateManifest:
     return cls(model_id=str(d["model_id"]), config_fingerprint=str(d["config_fingerprint"]),
                token_count=int(d["token_count"]), batch=int(d["batch"]),
                codec=CodecOptions.from_dict(d["codec"]), layers=layers,
-               state_arrays=LayerEntry.from_dict(d["state_arrays"]))
+               state_arrays=LayerEntry.from_dict(d["state_arrays"]),
+               placements=d.get("placements"))
 
   @classmethod
   def from_json(cls, s: str | bytes) -> "StateManifest":

@@ -1,0 +1,230 @@
+"""A region as one multi-process JAX program: a prefill *pod* or a decode *slice*.
+
+The processes of a region call ``initialize_region`` (``jax.distributed`` with a
+coordinator; CPU collectives through gloo), build one mesh over every
+process's devices (``region_mesh``), place the parameters with the
+tensor-parallel policy of ``paas_jax.checkpoints.sharding`` (``shard_model``)
+and the decode state with ``state_partition_specs`` (KV, recurrent and SSM
+caches split by head where the mesh divides the heads; conv tails, MLA
+latents and ``lengths`` replicated). ``region_prefill`` and ``region_step``
+run the model's jitted prefill / decode step on global arrays, so every
+process runs the same program and holds only its own shards.
+
+How the state crosses from a pod to a slice, shard to shard, is
+``paas_jax.serving.pod_transfer``; ``python -m paas_jax.serving.pod_worker``
+runs one process of either side.
+
+P = Q = 1 needs none of this: the single-process servers are unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, traverse_util
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from paas_jax.checkpoints.hf_import import model_from_params
+from paas_jax.checkpoints.sharding import param_shardings
+from paas_jax.codec import layout
+from paas_jax.codec.shard_plan import MeshSpec, StatePlacement
+from paas_jax.models.api import Model, prefill_bucket
+from paas_jax.models.config import ModelConfig
+from paas_jax.state import DecodeState, abstract_state, init_state, round_up
+
+TP_AXIS = "tp"
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionSpec:
+  """One process's view of its region.
+
+  Attributes:
+    coordinator: ``host:port`` of the region's ``jax.distributed`` coordinator
+      (served by process 0).
+    num_processes, process_id: the group and this process's rank in it.
+    local_devices: devices each process contributes (on CPU,
+      ``--xla_force_host_platform_device_count``).
+    timeout_s: deadline of joining the group and of every exchange through
+      the coordinator; a peer that died makes the others fail after at most
+      this long instead of hanging.
+  """
+
+  coordinator: str
+  num_processes: int
+  process_id: int
+  local_devices: int
+  timeout_s: float = 60.0
+
+  @property
+  def tp(self) -> int:
+    return self.num_processes * self.local_devices
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "RegionSpec":
+    return cls(str(d["coordinator"]), int(d["num_processes"]), int(d["process_id"]),
+               int(d["local_devices"]), float(d.get("timeout_s", 60.0)))
+
+
+def initialize_region(spec: RegionSpec) -> None:
+  """Joins the region's process group (call once, before any other JAX use).
+
+  Raises:
+    RuntimeError: this process does not have ``spec.local_devices`` devices.
+  """
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if spec.num_processes > 1:
+    timeout = max(1, int(spec.timeout_s))
+    jax.distributed.initialize(
+        coordinator_address=spec.coordinator, num_processes=spec.num_processes,
+        process_id=spec.process_id, initialization_timeout=timeout,
+        heartbeat_timeout_seconds=max(10, timeout // 2),
+        shutdown_timeout_seconds=timeout)
+  if jax.local_device_count() != spec.local_devices:
+    raise RuntimeError(f"process {spec.process_id} has {jax.local_device_count()} devices, "
+                       f"the region spec says {spec.local_devices} (set XLA_FLAGS="
+                       "--xla_force_host_platform_device_count before JAX starts)")
+
+
+def region_mesh(devices: Sequence[Any] | None = None) -> Mesh:
+  """A 1-D ``tp`` mesh over ``devices`` (default: every device of every process),
+  ordered by process, so each process holds a contiguous range of shards."""
+  devices = list(jax.devices() if devices is None else devices)
+  devices.sort(key=lambda d: (d.process_index, d.id))
+  return Mesh(np.array(devices), (TP_AXIS,))
+
+
+def state_partition_specs(config: ModelConfig, tp: int) -> dict[str, tuple]:
+  """Leaf name -> partition spec of a ``DecodeState`` on a ``tp`` mesh (pure).
+
+  Caches are split by head when ``tp`` divides the head count (attention and
+  sliding-window KV ``[b, s, h, d]``, Gated DeltaNet / Mamba2 states
+  ``[b, h, ...]``); everything else is replicated.
+  """
+  shapes = abstract_state(config, 1, 16)
+  specs = {}
+  for name, leaf in layout.named_leaves(shapes):
+    parts = name.split("/")
+    axis = None
+    if len(parts) == 3:
+      layer = shapes.layers[int(parts[1])]
+      axis = layout.role_of(layer, [parts[2]]).head_axis
+    if axis is not None and tp > 1 and leaf.shape[axis] % tp == 0:
+      spec = [None] * len(leaf.shape)
+      spec[axis] = TP_AXIS
+      specs[name] = tuple(spec)
+    else:
+      specs[name] = ()
+  return specs
+
+
+def state_placement(config: ModelConfig, mesh: MeshSpec) -> StatePlacement:
+  """Where ``state_partition_specs`` puts a state on ``mesh`` (pure)."""
+  return StatePlacement(mesh, state_partition_specs(config, int(np.prod(mesh.axis_sizes))))
+
+
+def state_shardings(config: ModelConfig, mesh: Mesh, batch: int, capacity: int) -> DecodeState:
+  """A ``DecodeState``-shaped pytree of ``NamedSharding``s."""
+  specs = state_partition_specs(config, mesh.size)
+  like = abstract_state(config, batch, capacity)
+  names = [n for n, _ in layout.named_leaves(like)]
+  return jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(like),
+      [NamedSharding(mesh, PartitionSpec(*specs[n])) for n in names])
+
+
+def replicated(mesh: Mesh, value) -> jax.Array:
+  """A global array holding the same host ``value`` on every device of ``mesh``
+  (every process passes the same value)."""
+  value = np.asarray(value)
+  return jax.make_array_from_callback(value.shape, NamedSharding(mesh, PartitionSpec()),
+                                      lambda index: value[index])
+
+
+def shard_model(model: Model, mesh: Mesh) -> Model:
+  """The same parameters placed on ``mesh`` by the default tensor-parallel policy.
+
+  Every process must hold the same host values (e.g. ``Model.create(config,
+  seed)`` with one seed); each copies only its own shards.
+  """
+  flat = traverse_util.flatten_dict(nnx.to_pure_dict(model.params))
+  host = {p: np.asarray(x) for p, x in flat.items()}
+  shardings = param_shardings({p: x.shape for p, x in host.items()}, mesh)
+  placed = {p: jax.make_array_from_callback(x.shape, shardings[p],
+                                            lambda index, x=x: x[index])
+            for p, x in host.items()}
+  return model_from_params(model.config, placed)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _sharded_prefill(graphdef, params, tokens, state, n_valid, out_shardings):
+  logits, state = nnx.merge(graphdef, params).prefill(tokens, state, n_valid)
+  last = logits[jnp.arange(logits.shape[0]), n_valid - 1]
+  token = jnp.argmax(last, axis=-1).astype(jnp.int32)
+  return token, jax.lax.with_sharding_constraint(state, out_shardings.tree)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _sharded_step(graphdef, params, tokens, state, out_shardings):
+  logits, state = nnx.merge(graphdef, params).step(tokens, state)
+  token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return token, jax.lax.with_sharding_constraint(state, out_shardings.tree)
+
+
+def _host_scalar(x: jax.Array) -> np.ndarray:
+  return np.asarray(x.addressable_data(0))
+
+
+def region_prefill(model: Model, mesh: Mesh, prompt: Sequence[int], capacity: int | None = None
+                   ) -> tuple[int, DecodeState]:
+  """Greedy prefill of one prompt on the whole region (every process calls it).
+
+  Returns:
+    (first generated token, the ``DecodeState`` sharded by ``state_shardings``).
+  """
+  config = model.config
+  prompt = np.asarray(prompt, np.int32)
+  seq = len(prompt)
+  capacity = capacity or round_up(seq)
+  shardings = state_shardings(config, mesh, 1, capacity)
+  tokens = np.zeros((1, prefill_bucket(seq)), np.int32)
+  tokens[0, :seq] = prompt
+  state = jax.jit(lambda: init_state(config, 1, capacity),
+                  out_shardings=shardings)()
+  token, state = _sharded_prefill(model.graphdef, model.params, replicated(mesh, tokens),
+                                  state, replicated(mesh, np.array([seq], np.int32)),
+                                  _StaticShardings(shardings))
+  return int(_host_scalar(token)[0]), state
+
+
+def region_step(model: Model, mesh: Mesh, state: DecodeState, token: int
+                ) -> tuple[int, DecodeState]:
+  """One greedy decode step of a batch-1 state on the whole region."""
+  shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
+  token, state = _sharded_step(model.graphdef, model.params,
+                               replicated(mesh, np.array([token], np.int32)), state,
+                               _StaticShardings(shardings))
+  return int(_host_scalar(token)[0]), state
+
+
+class _StaticShardings:
+  """A shardings pytree usable as a static jit argument (hashed by value)."""
+
+  def __init__(self, tree):
+    self.tree = tree
+    leaves, self._treedef = jax.tree_util.tree_flatten(tree)
+    self._key = (self._treedef, tuple(leaves))
+
+  def __hash__(self):
+    return hash(self._key)
+
+  def __eq__(self, other):
+    return isinstance(other, _StaticShardings) and self._key == other._key

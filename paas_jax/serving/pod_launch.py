@@ -1,0 +1,168 @@
+"""Starts a prefill pod and a decode slice as local processes (tests, benches).
+
+``run_local`` spawns the P pod processes (and, for Q > 1, the Q slice
+processes) of ``python -m paas_jax.serving.pod_worker``, each with its own
+``--xla_force_host_platform_device_count``; a single-process slice may run
+in the caller instead (``in_process_devices``). Every process has a deadline:
+the first one to fail (or to overrun) takes the others down, and the error
+carries its stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Sequence
+
+from paas_jax.codec.shard_plan import MeshSpec
+from paas_jax.models.config import ModelConfig
+from paas_jax.serving import pod_worker
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRun:
+  """What every process reported (``pod_worker`` reports), by rank."""
+
+  prefill: list[dict]
+  decode: list[dict]
+  seconds: float
+
+
+def _region(num_processes: int, local_devices: int, process_id: int, coordinator: str,
+            timeout_s: float) -> dict:
+  return {"coordinator": coordinator, "num_processes": num_processes,
+          "process_id": process_id, "local_devices": local_devices, "timeout_s": timeout_s}
+
+
+def _spawn(spec: dict, workdir: pathlib.Path, name: str, devices: int) -> tuple:
+  spec_path = workdir / f"{name}.spec.json"
+  report_path = workdir / f"{name}.report.json"
+  spec_path.write_text(json.dumps(spec))
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["JAX_PLATFORMS"] = "cpu"
+  log = open(workdir / f"{name}.log", "w")
+  proc = subprocess.Popen([sys.executable, "-m", "paas_jax.serving.pod_worker",
+                           f"--spec={spec_path}", f"--report={report_path}"],
+                          env=env, stdout=log, stderr=subprocess.STDOUT)
+  return name, proc, report_path, log
+
+
+def _wait_all(procs: list[tuple], deadline: float) -> dict[str, dict]:
+  reports = {}
+  try:
+    pending = list(procs)
+    while pending:
+      for item in list(pending):
+        name, proc, report_path, log = item
+        rc = proc.poll()
+        if rc is None:
+          continue
+        pending.remove(item)
+        log.close()
+        if rc != 0:
+          tail = (report_path.parent / f"{name}.log").read_text()[-3000:]
+          raise RuntimeError(f"{name} exited with {rc}:\n{tail}")
+        reports[name] = json.loads(report_path.read_text())
+      if pending and time.monotonic() > deadline:
+        raise TimeoutError(f"{[p[0] for p in pending]} still running at the deadline")
+      time.sleep(0.05)
+  finally:
+    for name, proc, _, log in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+      log.close()
+  return reports
+
+
+def run_local(config: ModelConfig, prompt: Sequence[int], *, pod_processes: int,
+              pod_devices: int, slice_processes: int, slice_devices: int,
+              max_new_tokens: int, workdir: str | pathlib.Path, timeout_s: float = 120.0,
+              seed: int = 0, codec: dict | None = None,
+              in_process_devices: Sequence[Any] | None = None) -> LocalRun:
+  """Runs one request: prefill on the pod, shard-to-shard transfer, decode on
+  the slice. With ``in_process_devices`` (Q = 1 only), the slice runs in this
+  process on those devices."""
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  request_id = uuid.uuid4().hex[:12]
+  t0 = time.monotonic()
+  deadline = t0 + timeout_s
+  common = {"config": config.to_dict(), "seed": seed, "request_id": request_id}
+  slice_coord = f"127.0.0.1:{free_port()}"
+  in_process = in_process_devices is not None
+  if in_process and slice_processes != 1:
+    raise ValueError("only a single-process slice runs in the caller")
+  server = None
+  slice_procs = []
+  slice_specs = []
+  if in_process:
+    server = pod_worker.start_slice_receiver(config, "127.0.0.1:0", timeout_s)
+    targets = [server.target]
+    processes = (0,) * len(in_process_devices)
+  else:
+    targets = [f"127.0.0.1:{free_port()}" for _ in range(slice_processes)]
+    processes = tuple(p for p in range(slice_processes) for _ in range(slice_devices))
+  target_mesh = MeshSpec(("tp",), (len(processes),), processes).to_dict()
+  for q in range(slice_processes):
+    slice_specs.append(dict(common, role="decode", address=targets[q],
+                            max_new_tokens=max_new_tokens,
+                            region=_region(slice_processes, len(processes) // slice_processes,
+                                           q, slice_coord, timeout_s)))
+  try:
+    if not in_process:
+      slice_procs = [_spawn(s, workdir, f"decode{q}", slice_devices)
+                     for q, s in enumerate(slice_specs)]
+    pod_coord = f"127.0.0.1:{free_port()}"
+    pod_procs = [_spawn(dict(common, role="prefill", prompt=list(map(int, prompt)),
+                             targets=targets, target_mesh=target_mesh, codec=codec or {},
+                             region=_region(pod_processes, pod_devices, p, pod_coord,
+                                            timeout_s)),
+                        workdir, f"prefill{p}", pod_devices)
+                 for p in range(pod_processes)]
+    decode_reports = []
+    if in_process:
+      # The slice runs in a thread so that a pod process that dies fails the
+      # run at once instead of after the slice's own deadline.
+      outcome: dict = {}
+
+      def slice_main():
+        try:
+          outcome["report"] = pod_worker.run_slice(slice_specs[0], server=server,
+                                                   devices=in_process_devices)
+        except BaseException as e:  # Re-raised in the caller's thread.
+          outcome["error"] = e
+
+      thread = threading.Thread(target=slice_main, name="pod-slice", daemon=True)
+      thread.start()
+      reports = _wait_all(pod_procs, deadline)
+      thread.join(max(0.0, deadline - time.monotonic()))
+      if thread.is_alive():
+        raise TimeoutError("the in-process slice did not finish by the deadline")
+      if "error" in outcome:
+        raise outcome["error"]
+      decode_reports = [outcome["report"]]
+    else:
+      reports = _wait_all(pod_procs + slice_procs, deadline)
+  finally:
+    if server is not None:
+      server.stop(grace=None)
+  prefill = [reports[f"prefill{p}"] for p in range(pod_processes)]
+  if not in_process:
+    decode_reports = [reports[f"decode{q}"] for q in range(slice_processes)]
+  return LocalRun(prefill, decode_reports, time.monotonic() - t0)

@@ -1,0 +1,163 @@
+"""One process of a prefill pod or of a decode slice.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
+    python -m paas_jax.serving.pod_worker --spec=spec.json --report=out.json
+
+The spec (JSON) says which side, the region (``pod.RegionSpec``), the model
+config (``ModelConfig.to_dict``) and seed, and:
+  prefill: ``prompt``, ``request_id``, ``targets`` (each slice process's
+    StateTransfer address, by slice rank), ``target_mesh``
+    (``shard_plan.MeshSpec.to_dict`` of the slice), optional ``codec``
+    (``CodecOptions`` fields).
+  decode: ``address`` to serve StateTransfer on, ``request_id``,
+    ``max_new_tokens``.
+The report (JSON) is what the process did: tokens, bytes per peer, timings.
+
+The argument parsing lives in ``main`` (no module-level flags), so tests may
+import ``run_prefill`` / ``run_slice``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+
+from paas_jax.codec.encode import encode_groups
+from paas_jax.codec.options import CodecOptions
+from paas_jax.codec.shard_plan import MeshSpec, check_plan, placement_from_state, plan_transfer
+from paas_jax.models.api import Model
+from paas_jax.models.config import ModelConfig
+from paas_jax.serving import pod, pod_transfer
+from paas_jax.state import abstract_state, round_up
+from paas_jax.transport.receiver import ReceiverOptions, StateReceiver, serve_receiver
+from paas_jax.transport.sender import SenderOptions
+
+
+def _kv_client():
+  # The coordination service's key-value store (deadline-bounded gets); JAX
+  # exposes it only through this module.
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  return distributed.global_state.client
+
+
+def run_prefill(spec: dict) -> dict:
+  """Prefills ``spec["prompt"]`` on the pod and streams this process's shards."""
+  region = pod.RegionSpec.from_dict(spec["region"])
+  config = ModelConfig.from_dict(spec["config"])
+  mesh = pod.region_mesh()
+  model = pod.shard_model(Model.create(config, int(spec.get("seed", 0))), mesh)
+  prompt = [int(t) for t in spec["prompt"]]
+  t0 = time.perf_counter()
+  first, state = pod.region_prefill(model, mesh, prompt)
+  jax.block_until_ready(state)
+  prefill_s = time.perf_counter() - t0
+
+  t1 = time.perf_counter()
+  options = CodecOptions(**spec.get("codec", {}))
+  groups = list(encode_groups(state, options=options, token_count=len(prompt)))
+  mine = pod_transfer.partial_manifest(
+      groups, model_id=config.name, config_fingerprint=config.fingerprint(),
+      token_count=len(prompt), batch=1, options=options)
+  if region.num_processes > 1:
+    merged = pod_transfer.exchange_manifests(
+        mine, key=f"pod/{spec['request_id']}/manifest", process_id=region.process_id,
+        num_processes=region.num_processes, timeout_s=region.timeout_s, kv=_kv_client())
+  else:
+    merged = mine
+  source = placement_from_state(state)
+  target = pod.state_placement(config, MeshSpec.from_dict(spec["target_mesh"]))
+  manifest = dataclasses.replace(merged, placements={"source": source.to_dict(),
+                                                     "target": target.to_dict()})
+  plan = plan_transfer(manifest, source, target)
+  check_plan(plan, manifest)
+  envelope = pod_transfer.Envelope(manifest, first, region.num_processes)
+  timeout = region.timeout_s
+  sent = pod_transfer.send_shards(
+      groups, plan, envelope, source=region.process_id, targets=spec["targets"],
+      request_id=spec["request_id"], model_id=config.name,
+      config_fingerprint=config.fingerprint(),
+      options=SenderOptions(rpc_timeout_s=timeout, commit_timeout_s=timeout,
+                            transfer_timeout_s=timeout))
+  encoded = sorted(k for g in groups for k in g.blobs if not k.endswith("zarr.json"))
+  return {
+      "role": "prefill", "process": region.process_id, "first_token": first,
+      "prefill_s": prefill_s, "transfer_s": time.perf_counter() - t1,
+      "encoded_keys": encoded,
+      "encoded_bytes": sum(len(v) for g in groups for k, v in g.blobs.items()
+                           if not k.endswith("zarr.json")),
+      "state_bytes": manifest.nbytes,
+      "sent": [dataclasses.asdict(s) for s in sent],
+  }
+
+
+def start_slice_receiver(config: ModelConfig, address: str, timeout_s: float):
+  """A StateTransfer server for one slice process (no template: the objects are
+  kept verified and restored by ``pod_transfer.restore``)."""
+  receiver = StateReceiver(
+      models={config.name: config.fingerprint()},
+      options=ReceiverOptions(transfer_timeout_s=timeout_s, idle_timeout_s=timeout_s))
+  return serve_receiver(receiver, address)
+
+
+def run_slice(spec: dict, server=None, devices: Sequence[Any] | None = None) -> dict:
+  """Receives one request's state from the pod, restores this process's shards
+  and decodes greedily on the slice. ``server``: an already started receiver
+  (else one is served on ``spec["address"]``); ``devices``: the slice's
+  devices when it is a single process that owns more (tests)."""
+  region = pod.RegionSpec.from_dict(spec["region"])
+  config = ModelConfig.from_dict(spec["config"])
+  own_server = server is None
+  if own_server:
+    server = start_slice_receiver(config, spec["address"], region.timeout_s)
+  try:
+    mesh = pod.region_mesh(devices)
+    model = pod.shard_model(Model.create(config, int(spec.get("seed", 0))), mesh)
+    max_new = int(spec["max_new_tokens"])
+    collected = pod_transfer.collect(server.receiver, spec["request_id"], region.process_id,
+                                     region.timeout_s)
+    t0 = time.perf_counter()
+    prompt_len = collected.envelope.manifest.token_count
+    capacity = round_up(prompt_len + max_new)
+    placement = pod.state_placement(config, MeshSpec.from_mesh(mesh))
+    received = sorted(collected.received)
+    wire = collected.wire_bytes
+    state = pod_transfer.restore(collected, region.process_id, placement,
+                                 abstract_state(config, 1, capacity),
+                                 pod.state_shardings(config, mesh, 1, capacity))
+    jax.block_until_ready(state)
+    restore_s = time.perf_counter() - t0
+    token = collected.envelope.first_token
+    tokens = [token]
+    for _ in range(max_new - 1):
+      token, state = pod.region_step(model, mesh, state, token)
+      tokens.append(token)
+    return {"role": "decode", "process": region.process_id, "tokens": tokens,
+            "received_keys": [k for k in received if not k.endswith("zarr.json")],
+            "wire_bytes": wire, "restore_s": restore_s}
+  finally:
+    if own_server:
+      server.stop(grace=None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--spec", required=True, help="JSON spec file")
+  parser.add_argument("--report", required=True, help="where to write the JSON report")
+  args = parser.parse_args(argv)
+  with open(args.spec) as f:
+    spec = json.load(f)
+  pod.initialize_region(pod.RegionSpec.from_dict(spec["region"]))
+  report = run_prefill(spec) if spec["role"] == "prefill" else run_slice(spec)
+  with open(args.report, "w") as f:
+    json.dump(report, f)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

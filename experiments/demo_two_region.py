@@ -88,13 +88,19 @@ flags.DEFINE_bool("tls", True, "Mutual TLS between broker and regions and TLS + 
                   "token at the broker (a local CA and token in <workdir>/certs); --notls "
                   "runs every process with an explicit --insecure.")
 flags.DEFINE_enum("fault", "none", ["none", "kill_prefill", "kill_decode", "drop_link",
-                                    "stall_link", "corrupt_chunks"],
+                                    "stall_link", "corrupt_chunks", "corrupt_state"],
                   "Inject a fault: kill_prefill: region A exits in the middle of its first "
                   "state transfer (the broker re-prefills elsewhere; restarted after "
                   "--fault_duration_s); kill_decode: SIGKILL region B at --fault_at_s (its "
                   "requests fail with UNAVAILABLE; restarted after --fault_duration_s); "
                   "drop_link / stall_link: the WAN link resets / stalls for "
-                  "--fault_duration_s; corrupt_chunks: 3 state chunks are corrupted on the wire.")
+                  "--fault_duration_s; corrupt_chunks: 3 state chunks are corrupted on the wire; "
+                  "corrupt_state: region B damages --fault_states received states after "
+                  "the transport verified them (the logit probe must catch each one, and "
+                  "the broker re-prefills those requests locally).")
+flags.DEFINE_integer("fault_states", 3, "States damaged by --fault=corrupt_state.")
+flags.DEFINE_bool("logit_probe", True, "The fail-closed logit probe at the handoff "
+                  "(--nologit_probe with --fault=corrupt_state shows what it prevents).")
 flags.DEFINE_float("fault_at_s", 1.0, "When kill_decode / drop_link / stall_link strike "
                    "(seconds after the first request).")
 flags.DEFINE_float("fault_duration_s", 3.0, "Outage length, or how long a killed server "
@@ -319,6 +325,9 @@ def main(argv):
                      compilation_cache=FLAGS.compilation_cache, tls=FLAGS.tls,
                      prefill_faults={"kill_prefill": "kill_after_layers=2",
                                      "corrupt_chunks": "corrupt_chunks=3"}.get(FLAGS.fault, ""),
+                     decode_faults=(f"corrupt_states={FLAGS.fault_states}"
+                                    if FLAGS.fault == "corrupt_state" else ""),
+                     logit_probe=FLAGS.logit_probe,
                      flaky_wan=FLAGS.fault in ("drop_link", "stall_link"),
                      pd_nodes=FLAGS.pd_nodes, rebalance_apply=FLAGS.rebalance_apply,
                      checkpoint=FLAGS.checkpoint, dtype=FLAGS.dtype,
@@ -491,7 +500,14 @@ def main(argv):
                 "completed_match_reference": bool(FLAGS.reference and all(
                     r["matches_reference"] is True for r in ok)),
                 "error_codes": sorted({r["error"].split(":", 1)[0] for r in rows
-                                       if r["error"]})},
+                                       if r["error"]}),
+                # The logit probe at the handoff (paas_jax.serving.handoff_probe):
+                # damaged states it caught, and answers that reached a client wrong.
+                "probe_mismatches": int(decode_stats.get("handoff_probe_mismatch", 0)),
+                "probe_checked": int(decode_stats.get("handoff_probe_ok", 0)
+                                     + decode_stats.get("handoff_probe_mismatch", 0)),
+                "wrong_answers_delivered": (sum(1 for r in ok if r["matches_reference"] is False)
+                                            if FLAGS.reference else None)},
   }
   out = pathlib.Path(FLAGS.json_out)
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -545,8 +561,16 @@ def main(argv):
     print(f"fault outcome    : {f['reroutes']:.0f} reroutes ({f['fallback_pdp']:.0f} to PD-P), "
           f"{report['errors']} requests failed {f['error_codes']}, completed requests "
           f"match the reference: {json.dumps(f['completed_match_reference'])}")
+    print(f"logit probe      : {f['probe_checked']} handed-off states checked, "
+          f"{f['probe_mismatches']} mismatches caught (DATA_LOSS, re-prefilled locally); "
+          f"wrong answers delivered: {f['wrong_answers_delivered']}")
   print(f"all_tokens_match_reference: {json.dumps(report['all_tokens_match_reference'])}")
   print(f"report           : {out}  (total {report['total_wall_s']:.1f} s)")
+  if FLAGS.fault == "corrupt_state":
+    # Every damaged state caught, no wrong answer, no failed request.
+    f = report["fault"]
+    caught = f["probe_mismatches"] >= 1 or not FLAGS.logit_probe
+    return 0 if (caught and all_match and not report["errors"]) else 1
   if FLAGS.fault == "kill_decode":
     # Requests on the killed server fail with a clear status; the rest must be exact.
     ok_codes = set(report["fault"]["error_codes"]) <= {"UNAVAILABLE"}

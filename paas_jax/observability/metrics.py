@@ -118,6 +118,10 @@ class ServingMetrics:
                                  ["cause", "to"], registry=r)
     self.auth_refusals = prom.Counter("paas_auth_refusals", "Calls refused by an auth check.",
                                       ["check", "code"], registry=r)
+    self.handoff_probes = prom.Counter(
+        "paas_handoff_probes", "Handed-off states checked against the prefill side's logit "
+        "probe, by outcome (ok, mismatch: failed with DATA_LOSS, unverified: no probe sent, "
+        "error).", ["outcome"], registry=r)
 
   # -- recording helpers ----------------------------------------------------------
 

@@ -48,9 +48,10 @@ def define_flags(role: str) -> None:
                         f"(`name:token` lines); default ${TOKENS_ENV}.")
     flags.DEFINE_bool("public_client_auth", False, "Also require client certificates from "
                       "our CA on the public API.")
-  if role == "prefill":
+  if role in ("prefill", "decode"):
     flags.DEFINE_string("faults", "", "Fault injection (tests/demo), e.g. "
-                        "'kill_after_layers=2,corrupt_chunks=1'; see "
+                        "'kill_after_layers=2,corrupt_chunks=1' (prefill) or "
+                        "'corrupt_states=1' (decode); see "
                         "paas_jax.security.faults.FaultPlan.")
 
 

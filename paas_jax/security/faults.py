@@ -253,6 +253,9 @@ class FaultPlan:
     kill_after_commits: exit the process once this many commit points of one
       chunk-streamed transfer were acknowledged by the decode side (region A
       dies after a commit point: the request resumes from it); 0: never.
+    corrupt_states: (decode side) damage this many received states after the
+      transport verified them (``paas_jax.state.sensitivity.damage``): what a
+      bug behind the checksums would do; the logit probe must catch each one.
     exit_code: status of the killed process.
   """
 
@@ -262,8 +265,10 @@ class FaultPlan:
   delay_first_token_s: float = 0.0
   layer_delay_s: float = 0.0
   kill_after_commits: int = 0
+  corrupt_states: int = 0
   exit_code: int = 137
   _transfers: int = dataclasses.field(default=0, repr=False)
+  _states_corrupted: int = dataclasses.field(default=0, repr=False)
   _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
   _corrupter: ChunkCorrupter | None = dataclasses.field(default=None, repr=False)
 
@@ -282,7 +287,8 @@ class FaultPlan:
   @property
   def active(self) -> bool:
     return bool(self.kill_after_layers or self.corrupt_chunks or self.delay_first_token_s
-                or self.layer_delay_s or self.kill_after_commits)
+                or self.layer_delay_s or self.kill_after_commits
+                or self.corrupt_states)
 
   @property
   def corrupter(self) -> ChunkCorrupter:
@@ -321,6 +327,14 @@ class FaultPlan:
                 commit_points, transfer_number)
       logging.shutdown()
       os._exit(self.exit_code)  # pylint: disable=protected-access
+
+  def take_state_corruption(self) -> bool:
+    """True for the first ``corrupt_states`` calls (one per received state)."""
+    with self._lock:
+      if self._states_corrupted >= self.corrupt_states:
+        return False
+      self._states_corrupted += 1
+      return True
 
   def before_first_token(self) -> None:
     if self.delay_first_token_s:

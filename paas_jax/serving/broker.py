@@ -670,7 +670,12 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
             bad_prefill.add(pi)
           others = [i for i in range(len(self.prefill_targets)) if i not in bad_prefill
                     and self.health.is_healthy(self._address("prefill", i))]
-          resume = self.resume_policy.decide(
+          # DATA_LOSS: the state arrived damaged (a chunk that failed its
+          # checksum for good, or a state that failed the logit probe): its
+          # commit points are not trusted either; re-prefill locally from
+          # scratch rather than over the same path again.
+          damaged = e.code == Code.DATA_LOSS
+          resume = None if damaged else self.resume_policy.decide(
               prompt_tokens=len(prompt), commit_point=rec.commit_point,
               earlier_id=downstream_id, decode_index=di,
               decode_healthy=self.health.is_healthy(self._address("decode", di)),
@@ -680,9 +685,9 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
                                   f"{resume.reason}", fallback=True)
           else:
             resume = None
-            route = self._reroute(rec, PRFAAS if others else PDP,
-                                  f"prefill/transfer failed: {e.code.name}",
-                                  fallback=not others)
+            local = damaged or not others
+            route = self._reroute(rec, PDP if local else PRFAAS,
+                                  f"prefill/transfer failed: {e.code.name}", fallback=local)
       finally:
         self._release("decode", di)
         if pi is not None:
@@ -968,8 +973,11 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
           rec.prefill_batch_size = ft.batch_size
           rec.cached_tokens = ft.cached_tokens
           rec.phase = "transferring"
-          dstub.Handoff(serving_pb2.HandoffRequest(request_id=downstream_id,
-                                                   first_token=ft.token_id),
+          # The prefill side's logit probe goes along: the decode server checks
+          # the state it received against it before decoding (DATA_LOSS if not).
+          dstub.Handoff(serving_pb2.HandoffRequest(
+              request_id=downstream_id, first_token=ft.token_id,
+              probe=ft.probe if ft.HasField("probe") else None),
                         timeout=common.CONTROL_TIMEOUT_S, metadata=md)
         elif ev.HasField("commit"):
           rec.commit_point = max(rec.commit_point, ev.commit.tokens)

@@ -33,6 +33,10 @@ def define_server_flags(role: str):
   flags.DEFINE_integer("prefix_cache_mb", 256, "Prefix cache budget, MiB.")
   flags.DEFINE_integer("max_ctx", 0, "Context per request (0: the model's max_seq_len).")
   flags.DEFINE_string("log_level", "INFO", "Logging level.")
+  flags.DEFINE_bool("logit_probe", True, "Fail closed at the state handoff: the prefill "
+                    "side sends a probe of its state's first decode step, the decode side "
+                    "checks the received state against it (one decode step each; "
+                    "paas_jax.serving.handoff_probe).")
   # TLS/mTLS identity or --insecure, --metrics_port, --log_format (paas_jax.security.cli).
   security_cli.define_flags(role)
 

@@ -24,7 +24,7 @@ import grpc
 from absl import app, flags
 
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
-from paas_jax.serving import cli, common, prefix_transfer
+from paas_jax.serving import cli, common, handoff_probe, prefix_transfer
 from paas_jax.serving.batching import (DecodeJob, DecodeScheduler, PrefillBatcher, PrefillJob,
                                        QueueFullError)
 from paas_jax.serving.chunk_stream import SegmentId, is_segment_transfer, segment_template
@@ -55,7 +55,12 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
 
   def __init__(self, model, engine_config: EngineConfig, *, max_queue: int = 64,
                batch_window_s: float = 0.005, name: str = "decode", metrics=None,
-               channel_credentials: grpc.ChannelCredentials | None = None):
+               channel_credentials: grpc.ChannelCredentials | None = None,
+               logit_probe: bool = True, corrupt_state=None):
+    """``logit_probe``: check every handed-off state against the prefill
+    side's probe before decoding it (``handoff_probe``); ``corrupt_state``: a
+    fault hook ``f(request_id, state) -> state`` run on received states before
+    that check (demo and tests only)."""
     from paas_jax.state import abstract_state, round_up  # pylint: disable=g-import-not-at-top
     from paas_jax.transport import StateReceiver  # pylint: disable=g-import-not-at-top
     self.model = model
@@ -66,6 +71,10 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     self.batcher = PrefillBatcher(self.prefill_engine, batch_window_s, name="pdp")
     self.scheduler = DecodeScheduler(self.engine, max_queue=max_queue,
                                      on_local_prefill=self._local_prefill)
+    # Remote states reach the scheduler only through the probe check.
+    self.verifier = handoff_probe.HandoffVerifier(
+        model, self.scheduler.provide_state, self.scheduler.fail, enabled=logit_probe,
+        metrics=metrics, corrupt=corrupt_state)
     cfg = self.config
     # Cross-cluster prefix transfers: prefixes of region A's cache arrive on the
     # transfer port ("prefix:" ids) into PD-P's prefix cache; ExportPrefix ships
@@ -86,7 +95,8 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
                                       metrics=metrics, engine=self.prefill_engine,
                                       batcher=self.batcher, link_label="B->B",
                                       prefix_exporter=self.prefix_exporter,
-                                      prefix_importer=self.prefix_importer)
+                                      prefix_importer=self.prefix_importer,
+                                      logit_probe=logit_probe)
 
     # Chunk-streamed states ("seg:" ids, chunk_stream): committed segments are
     # assembled into commit points; the request's state is ready once its
@@ -171,9 +181,8 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     self.transfer_bytes_in += received.manifest.nbytes
     if self.metrics is not None:
       self.metrics.link_transfers.labels("A->B", "received").inc()
-    if not self.scheduler.provide_state(rid, received.state,
-                                        {"state_bytes": received.manifest.nbytes}):
-      log.info("dropping the state of %s: the request is gone", rid)
+    self.verifier.state_arrived(rid, received.state, {"state_bytes": received.manifest.nbytes},
+                                lossy=handoff_probe.lossy_manifest(received.manifest))
 
   def _on_segment(self, received) -> None:
     """A verified segment: keep it; hand the state over once the commit point is
@@ -198,8 +207,8 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     self.transfers_in += 1
     if self.metrics is not None:
       self.metrics.link_transfers.labels("A->B", "received").inc()
-    if not self.scheduler.provide_state(rid, state, {"commit_point": n}):
-      log.info("dropping the state of %s: the request is gone", rid)
+    self.verifier.state_arrived(rid, state, {"commit_point": n},
+                                lossy=handoff_probe.lossy_manifest(received.manifest))
 
   def _forget_segments(self, rid: str) -> None:
     with self._seg_lock:
@@ -229,6 +238,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
       return
     if self.metrics is not None:
       self.metrics.link_transfers.labels("A->B", "receive_failed").inc()
+    self.verifier.forget(transfer_id)
     self.scheduler.fail(transfer_id, code, f"state transfer failed: {message}")
 
   def stop(self) -> None:
@@ -237,6 +247,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     self.scheduler.stop()
     self.receiver.close()
     self.prefix_exporter.close()
+    self.verifier.close()
 
   def warmup(self) -> dict:
     return {"decode_s": self.engine.warmup(), "prefill_s": self.prefill_engine.warmup()}
@@ -335,9 +346,19 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     if not 0 <= request.first_token < self.config.vocab_size:
       context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                     f"first_token {request.first_token} outside the vocabulary")
+    probe = None
+    if request.HasField("probe"):
+      try:
+        probe = handoff_probe.from_proto(request.probe)
+      except ValueError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"probe: {e}")
+      if probe.token != request.first_token:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"probe.token {probe.token} is not first_token {request.first_token}")
     if not self.scheduler.provide_first_token(request.request_id, request.first_token):
       context.abort(grpc.StatusCode.NOT_FOUND,
                     f"request {request.request_id!r} is gone (cancelled or finished)")
+    self.verifier.handoff_arrived(request.request_id, probe)
     return serving_pb2.HandoffResponse()
 
   def ExportPrefix(self, request, context):
@@ -357,6 +378,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     s.update(common.probe_gauges(self.prefill_engine, request, context))
     s.update(self.prefix_importer.gauges())
     s.update(self.prefix_exporter.gauges())
+    s.update(self.verifier.gauges())
     # Region B's own sends over the WAN: its prefix exports (B->A). The PD-P
     # role's state sends (B->B, region B's network) are not in these.
     s.update(self.prefix_exporter.link_counters.gauges())
@@ -394,14 +416,16 @@ class DecodeServer:
 def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
           transfer_port: int = 0, max_queue: int = 64, batch_window_s: float = 0.005,
           credentials: grpc.ServerCredentials | None = None, interceptors=(),
-          security=None, metrics=None, warmup: bool = True) -> DecodeServer:
+          security=None, metrics=None, warmup: bool = True, logit_probe: bool = True,
+          corrupt_state=None) -> DecodeServer:
   """Starts the control and transfer ports.
 
   ``security`` (a ``paas_jax.security.ServiceSecurity`` of role decode) gives
   both ports mutual TLS and the decode peer rules (only brokers register
   requests, only prefill servers push states) and overrides ``credentials``;
   ``metrics`` (``paas_jax.observability.ServingMetrics``) records RPCs, queues
-  and transfers. Explicit ``interceptors`` run after those.
+  and transfers. Explicit ``interceptors`` run after those. ``logit_probe`` and
+  ``corrupt_state``: see ``DecodeServicer``.
   """
   from paas_jax.security.hooks import server_interceptors  # pylint: disable=g-import-not-at-top
   from paas_jax.transport import serve_receiver  # pylint: disable=g-import-not-at-top
@@ -411,7 +435,8 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
     channel_credentials = security.channel_credentials()
   servicer = DecodeServicer(model, engine_config, max_queue=max_queue,
                             batch_window_s=batch_window_s, metrics=metrics,
-                            channel_credentials=channel_credentials)
+                            channel_credentials=channel_credentials,
+                            logit_probe=logit_probe, corrupt_state=corrupt_state)
   stack = server_interceptors(security, metrics) + list(interceptors)
   control = common.start_server(
       f"{host}:{port}", lambda s: (
@@ -440,7 +465,11 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   t0 = time.time()
+  from paas_jax.security.faults import FaultPlan  # pylint: disable=g-import-not-at-top
   model, security, metrics, metrics_port = cli.setup_process("decode")
+  faults = FaultPlan.parse(FLAGS.faults)
+  if faults.active:
+    log.warning("FAULT INJECTION enabled: %s", faults)
   engine_config = EngineConfig(
       n_slots=FLAGS.n_slots, max_ctx=FLAGS.max_ctx, page_size=FLAGS.page_size,
       num_pages=FLAGS.num_pages, prefill_buckets=tuple(int(b) for b in FLAGS.prefill_buckets),
@@ -449,7 +478,8 @@ def main(argv):
   server = start(model, engine_config, host=FLAGS.host, port=FLAGS.port,
                  transfer_port=FLAGS.transfer_port, max_queue=FLAGS.max_queue,
                  batch_window_s=FLAGS.batch_window_ms / 1e3, security=security,
-                 metrics=metrics)
+                 metrics=metrics, logit_probe=FLAGS.logit_probe,
+                 corrupt_state=handoff_probe.fault_hook(faults, model.config))
   common.write_ready_file(FLAGS.ready_file, {
       "pid": __import__("os").getpid(), "port": server.control.port,
       "transfer_port": server.transfer.port, "model": model.config.name,

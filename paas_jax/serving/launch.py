@@ -151,6 +151,11 @@ class ClusterSpec:
   # and the demo can cut. Not with netem="netns".
   prefill_faults: str = ""
   flaky_wan: bool = False
+  # Fault injection in every decode server (FaultPlan syntax, e.g.
+  # "corrupt_states=2": damage received states behind the transport's checks).
+  decode_faults: str = ""
+  # The fail-closed logit probe at the handoff (both regions; on by default).
+  logit_probe: bool = True
   metrics: bool = False         # every process serves /metrics on a free port
   # PD nodes (decode servers) in region B: "decode", "decode1", ...; with more
   # than one the broker splits them into PD-P and PD-D roles (pd_prefill_nodes:
@@ -177,7 +182,7 @@ def _server_args(spec: ClusterSpec, host: str) -> list[str]:
           f"--max_ctx={spec.max_ctx}", f"--prefill_max_batch={spec.prefill_max_batch}",
           f"--prefill_buckets={','.join(str(b) for b in spec.prefill_buckets)}",
           f"--batch_window_ms={spec.batch_window_ms}", f"--log_level={spec.log_level}",
-          f"--prefix_block={spec.prefix_block}"]
+          f"--prefix_block={spec.prefix_block}", f"--logit_probe={spec.logit_probe}"]
   if spec.checkpoint:
     args.append(f"--checkpoint={spec.checkpoint}")
   if spec.dtype:
@@ -233,6 +238,8 @@ class LocalCluster:
                      f"--n_slots={spec.n_slots}", f"--page_size={spec.page_size}",
                      f"--num_pages={spec.num_pages}", f"--max_queue={spec.max_queue}",
                      *self._common_args("decode")]
+      if spec.decode_faults:
+        decode_args.append(f"--faults={spec.decode_faults}")
       if spec.pd_nodes < 1:
         raise LaunchError(f"pd_nodes must be >= 1, got {spec.pd_nodes}")
       self.procs["prefill"] = spawn("prefill", prefill_args, self.workdir, prefix=prefix)

@@ -31,7 +31,7 @@ import grpc
 from absl import app, flags
 
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
-from paas_jax.serving import cli, common
+from paas_jax.serving import cli, common, handoff_probe
 from paas_jax.serving.prefix_transfer import PrefixExporter, PrefixImporter
 from paas_jax.serving.batching import PrefillBatcher, PrefillJob
 from paas_jax.serving.chunk_stream import ChunkStreamer, StreamResult
@@ -51,7 +51,8 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
                channel_credentials: grpc.ChannelCredentials | None = None,
                max_queue: int = 64, metrics=None, faults=None, engine=None, batcher=None,
                link_label: str = "A->B", prefix_exporter=None, prefix_importer=None,
-               stream_chunks: bool = True, commit_every: int = 2):
+               stream_chunks: bool = True, commit_every: int = 2,
+               logit_probe: bool = True):
     """``engine``/``batcher``: serve Prefill from an existing PrefillEngine and
     its PrefillBatcher (a PD node acting as PD-P for another PD node shares its
     own engine and prefix cache instead of loading a second copy). ``link_label``
@@ -63,7 +64,9 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     ``link_label``; GetStats ``link_*``). ``stream_chunks``: every prefill
     chunk leaves as a segment as soon as it is computed (``chunk_stream``),
     with a commit point every ``commit_every`` chunks; False: one transfer
-    whose layers leave while the last chunk is computed."""
+    whose layers leave while the last chunk is computed. ``logit_probe``: send a
+    probe of each state with its first token (``handoff_probe``; one decode
+    step)."""
     from paas_jax.codec import CodecOptions  # pylint: disable=g-import-not-at-top
     from paas_jax.transport import LinkCounters, SenderOptions  # pylint: disable=g-import-not-at-top
     self.model = model
@@ -78,6 +81,8 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
       raise ValueError(f"commit_every must be >= 1, got {commit_every}")
     self.stream_chunks = stream_chunks
     self.commit_every = commit_every
+    self.logit_probe = logit_probe
+    self.probe_s_total = 0.0
     self.link_counters = LinkCounters(link_label)
     self.codec = codec or CodecOptions()
     self.sender_options = sender_options or SenderOptions(num_streams=2,
@@ -303,12 +308,13 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
                                                                       segments=rest[1]))
       elif kind == "first":
         out = rest[0]
+        probe = self._probe(out, context) if self.logit_probe else None
         if self.faults is not None:
           self.faults.before_first_token()
         yield serving_pb2.PrefillEvent(first_token=serving_pb2.FirstToken(
             token_id=out.first_token, queue_s=holder.get("queue_s", 0.0),
             prefill_s=out.prefill_s, batch_size=out.batch_size,
-            cached_tokens=out.cached_tokens))
+            cached_tokens=out.cached_tokens, probe=probe))
       elif kind == "done":
         t = rest[0].timeline
         holder["finished"] = True
@@ -322,6 +328,19 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
             num_streams=t.num_streams))
         return
 
+  def _probe(self, out, context):
+    """The probe of ``out``'s state (one decode step, in this RPC's thread: it
+    overlaps the state transfer, not the next prefill batch)."""
+    t0 = time.perf_counter()
+    try:
+      probe = handoff_probe.make(self.model, out)
+    except Exception as e:  # pylint: disable=broad-except
+      log.exception("logit probe of %s failed", out.request_id)
+      context.abort(grpc.StatusCode.INTERNAL, f"computing the logit probe failed: {e!r}")
+    self.probe_s_total += time.perf_counter() - t0
+    self.counters["probes"] += 1
+    return probe
+
   def _release_prefix(self, rid: str) -> None:
     if self.engine.prefix_cache is not None:
       self.engine.release_prefix(rid)  # bytes: gauge prefix_released_bytes
@@ -333,7 +352,9 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     s = dict(self.counters)
     s.update(queue=self.batcher.queue_depth, batches=self.batcher.batches,
              prompts=self.batcher.prompts, prompt_tokens=self.batcher.tokens,
-             busy_s=self.batcher.busy_s, uptime_s=time.time() - self.started)
+             busy_s=self.batcher.busy_s, uptime_s=time.time() - self.started,
+             probe_enabled=int(self.logit_probe),
+             probe_mean_ms=1e3 * self.probe_s_total / max(self.counters["probes"], 1))
     s.update(common.probe_gauges(self.engine, request, context))
     s.update(self.prefix_importer.gauges())
     s.update(self.prefix_exporter.gauges())
@@ -396,7 +417,8 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
           channel_credentials: grpc.ChannelCredentials | None = None,
           security=None, metrics=None, faults=None, max_queue: int = 64,
           warmup: bool = True, transfer_port: int | None = None,
-          stream_chunks: bool = True, commit_every: int = 2) -> PrefillServer:
+          stream_chunks: bool = True, commit_every: int = 2,
+          logit_probe: bool = True) -> PrefillServer:
   """Starts the Prefill service.
 
   ``security`` (a ``paas_jax.security.ServiceSecurity`` of role prefill)
@@ -420,7 +442,7 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
                              sender_options=sender_options,
                              channel_credentials=channel_credentials, max_queue=max_queue,
                              metrics=metrics, faults=faults, stream_chunks=stream_chunks,
-                             commit_every=commit_every)
+                             commit_every=commit_every, logit_probe=logit_probe)
   control = common.start_server(
       f"{host}:{port}", lambda s: serving_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
       credentials=credentials, services=[SERVICE], max_workers=128,
@@ -466,7 +488,7 @@ def main(argv):
                  security=security, metrics=metrics,
                  faults=faults if faults.active else None, max_queue=FLAGS.max_queue,
                  transfer_port=FLAGS.transfer_port, stream_chunks=FLAGS.stream_chunks,
-                 commit_every=FLAGS.commit_every)
+                 commit_every=FLAGS.commit_every, logit_probe=FLAGS.logit_probe)
   common.write_ready_file(FLAGS.ready_file, {
       "pid": os.getpid(), "port": server.control.port, "model": model.config.name,
       "transfer_port": server.transfer.port,

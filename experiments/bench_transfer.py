@@ -54,6 +54,14 @@ flags.DEFINE_bool("planes", False, "Only the transport table (experiments/transf
                   "and --lanes connections, CPU s/GB per side, fixed cost per transfer.")
 flags.DEFINE_integer("lanes", 4, "Data-plane connections of the N-connection rows.")
 flags.DEFINE_bool("tls", True, "Also measure the TLS rows (--planes).")
+flags.DEFINE_bool("wan", False, "Only the emulated-WAN runs (experiments/wan_planes.py): the "
+                  "relay's own ceiling, then data-plane utilization with 1 and --lanes "
+                  "connections at --wan_rate_gbit and --wan_rtt_ms.")
+flags.DEFINE_float("wan_rtt_ms", 30.0, "Round-trip time of the emulated link (--wan).")
+flags.DEFINE_integer("wan_window_kib", 256, "Unacknowledged KiB per data-plane connection "
+                     "(--wan): one connection's window on the long path.")
+flags.DEFINE_float("wan_rate_gbit", 0.0, "Rate of the emulated link in Gbit/s (--wan); 0: half "
+                   "of the relay's measured ceiling.")
 
 
 # -- receivers in child processes ---------------------------------------------------
@@ -401,6 +409,28 @@ def main(argv):
              "flags": {"models": models, "tokens": tokens, "repeats": FLAGS.repeats,
                        "streams": FLAGS.streams, "pipeline_codec": FLAGS.pipeline_codec},
              "models": {}}
+  if FLAGS.wan:
+    from experiments import wan_planes
+    from paas_jax.models import load_config
+    ceiling = wan_planes.relay_ceiling(connections=FLAGS.lanes)
+    best = max(ceiling["gbps_by_connections"].values())
+    rate_bps = FLAGS.wan_rate_gbit * 1e9 if FLAGS.wan_rate_gbit > 0 else best * 8e9 / 2
+    results["flags"].update(wan=True, wan_rtt_ms=FLAGS.wan_rtt_ms, wan_rate_bps=rate_bps,
+                            lanes=FLAGS.lanes)
+    results["relay_ceiling"] = ceiling
+    print("relay ceiling (GB/s by connections):", ceiling["gbps_by_connections"], flush=True)
+    for name, n in zip(models, tokens):
+      r = wan_planes.wan_utilization(load_config(name), n, rate_bps, FLAGS.wan_rtt_ms / 1e3,
+                                     lanes=sorted({1, FLAGS.lanes}), repeats=FLAGS.repeats,
+                                     window_bytes=FLAGS.wan_window_kib << 10)
+      results["models"][name] = r
+      for lanes, v in r["lanes"].items():
+        print(f"{name}: link {rate_bps / 1e9:.2f} Gbit/s rtt {FLAGS.wan_rtt_ms:g} ms, "
+              f"{lanes} connection(s): goodput {v['goodput_bytes_per_s'] / 1e6:.0f} MB/s, "
+              f"utilization {100 * v['utilization']:.0f}%, retransmits {v['retransmits']}")
+    with open(FLAGS.json_out, "w") as f:
+      json.dump(results, f, indent=2)
+    return
   if FLAGS.planes:
     from experiments import transfer_planes
     from paas_jax.models import load_config

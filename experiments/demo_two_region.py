@@ -70,6 +70,8 @@ flags.DEFINE_bool("rebalance_apply", False, "Let the broker apply the rebalancer
 flags.DEFINE_integer("max_queue", 64, "Requests allowed to wait for a decode slot.")
 flags.DEFINE_list("prefill_buckets", ["64", "256"], "Prefill chunk buckets (largest = chunk).")
 flags.DEFINE_enum("codec", "raw", ["raw", "zstd", "blosc"], "State codec on the link.")
+flags.DEFINE_enum("transfer_plane", "grpc", ["tcp", "grpc"], "What carries state bytes A->B: "
+                  "the TCP data plane (default) or gRPC Push streams (the old path).")
 flags.DEFINE_bool("reference", True, "Check tokens against single-process generation.")
 flags.DEFINE_string("json_out", "runs/demo/report.json", "Where to write the JSON report.")
 flags.DEFINE_string("workdir", "runs/demo", "Logs and readiness files of the processes.")
@@ -321,6 +323,7 @@ def main(argv):
                      max_ctx=context, max_queue=FLAGS.max_queue, prefill_buckets=buckets,
                      threshold=threshold, link=link, netem=netem,
                      codec_compression=FLAGS.codec, router=FLAGS.router,
+                     transfer_plane=FLAGS.transfer_plane,
                      prefix_block=FLAGS.prefix_block, rebalance_every_s=2.0,
                      compilation_cache=FLAGS.compilation_cache, tls=FLAGS.tls,
                      prefill_faults={"kill_prefill": "kill_after_layers=2",
@@ -417,6 +420,9 @@ def main(argv):
         "total_s": r.total_s, "link_bytes": int(s.get("link_bytes", 0)),
         "state_bytes": int(s.get("state_bytes", 0)),
         "transfer_s": float(s.get("transfer_s", 0.0)),
+        # State bytes per second of the transfer (Begin to committed).
+        "goodput_mb_s": (int(s.get("state_bytes", 0)) / float(s["transfer_s"]) / 1e6
+                         if float(s.get("transfer_s", 0.0)) > 0 else None),
         "prefill_s": float(s.get("prefill_s", 0.0)),
         "prefill_queue_s": float(s.get("prefill_queue_s", 0.0)),
         "decode_queue_s": float(s.get("decode_queue_s", 0.0)),
@@ -429,7 +435,9 @@ def main(argv):
     by_route[route] = {"requests": len(sel),
                        "ttft_s": _stats([r["ttft_s"] for r in sel]),
                        "tpot_s": _stats([r["tpot_s"] for r in sel]),
-                       "link_bytes": int(sum(r["link_bytes"] for r in sel))}
+                       "link_bytes": int(sum(r["link_bytes"] for r in sel)),
+                       "goodput_mb_s": _stats([r["goodput_mb_s"] for r in sel
+                                               if r["goodput_mb_s"] is not None])}
   matches = [r["matches_reference"] for r in rows]
   all_match = bool(FLAGS.reference and all(m is True for m in matches) and
                    len(ok) == len(rows))
@@ -515,7 +523,7 @@ def main(argv):
 
   print()
   print(f"{'req':>3} {'prompt':>6} {'route':>6} {'TTFT ms':>8} {'TPOT ms':>8} "
-        f"{'link KiB':>8} {'xfer ms':>7} {'match':>5}")
+        f"{'link KiB':>8} {'xfer ms':>7} {'MB/s':>7} {'match':>5}")
   for r in rows:
     m = {True: "yes", False: "NO", None: "-"}[r["matches_reference"]]
     if r["error"]:
@@ -523,14 +531,17 @@ def main(argv):
       continue
     print(f"{r['request']:>3} {r['prompt_tokens']:>6} {r['route']:>6} "
           f"{r['ttft_s'] * 1e3:8.1f} {r['tpot_s'] * 1e3:8.2f} {r['link_bytes'] / 1024:8.1f} "
-          f"{r['transfer_s'] * 1e3:7.1f} {m:>5}")
+          f"{r['transfer_s'] * 1e3:7.1f} "
+          f"{'-' if r['goodput_mb_s'] is None else format(r['goodput_mb_s'], '.1f'):>7} {m:>5}")
   print()
   for route, name in (("pdp", "PD-P (local)"), ("prfaas", "PrfaaS (remote)")):
     b = by_route[route]
     if b["requests"]:
       print(f"{name:16}: {b['requests']:3d} requests, TTFT mean {b['ttft_s']['mean'] * 1e3:.0f} "
             f"ms p90 {b['ttft_s']['p90'] * 1e3:.0f} ms, TPOT mean "
-            f"{b['tpot_s']['mean'] * 1e3:.2f} ms, link {b['link_bytes'] / 1024:.1f} KiB")
+            f"{b['tpot_s']['mean'] * 1e3:.2f} ms, link {b['link_bytes'] / 1024:.1f} KiB"
+            + (f", goodput per transfer mean {b['goodput_mb_s']['mean']:.1f} MB/s"
+               if route == "prfaas" and b["goodput_mb_s"] else ""))
   lu = report["link_utilization"].get("a_to_b", {})
   if lu:
     util = lu.get("utilization")

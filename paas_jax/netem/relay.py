@@ -62,8 +62,9 @@ class _Pump:
   """One direction of one connection."""
 
   def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-               direction, chunk_bytes: int, max_queued: int):
+               direction, chunk_bytes: int, max_queued: int, on_bytes=None):
     self.reader, self.writer = reader, writer
+    self.on_bytes = on_bytes
     self.direction = direction
     self.chunk_bytes = chunk_bytes
     self.max_queued = max_queued
@@ -78,6 +79,8 @@ class _Pump:
         data = await self.reader.read(self.chunk_bytes)
         if not data:
           break
+        if self.on_bytes is not None:
+          self.on_bytes(len(data))
         _, deliver = self.direction.schedule(len(data))
         async with self.cv:
           while self.queued + len(data) > self.max_queued and self.queue:
@@ -130,6 +133,8 @@ class Relay:
     self.max_queued_bytes = max_queued_bytes
     self.ports: dict[str, int] = {}
     self.connections = collections.Counter()
+    # Bytes each route carried from its listening side (e.g. state bytes A->B).
+    self.route_bytes = collections.Counter()
     self._loop: asyncio.AbstractEventLoop | None = None
     self._thread: threading.Thread | None = None
     self._servers: list[asyncio.AbstractServer] = []
@@ -189,7 +194,8 @@ class Relay:
       return
     self.connections[route.name] += 1
     fwd = _Pump(client_r, up_w, self.link.direction(route.direction), self.chunk_bytes,
-                self.max_queued_bytes)
+                self.max_queued_bytes,
+                on_bytes=lambda n, name=route.name: self.route_bytes.update({name: n}))
     back = _Pump(up_r, client_w, self.link.direction(reverse(route.direction)),
                  self.chunk_bytes, self.max_queued_bytes)
     try:
@@ -207,6 +213,7 @@ class Relay:
   def stats(self) -> dict:
     out = self.link.stats()
     out["connections"] = dict(self.connections)
+    out["route_bytes"] = dict(self.route_bytes)
     out["routes"] = [dataclasses.asdict(r) | {"port": self.ports.get(r.name)}
                      for r in self.routes]
     return out

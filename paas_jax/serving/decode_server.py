@@ -417,7 +417,8 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
           transfer_port: int = 0, max_queue: int = 64, batch_window_s: float = 0.005,
           credentials: grpc.ServerCredentials | None = None, interceptors=(),
           security=None, metrics=None, warmup: bool = True, logit_probe: bool = True,
-          corrupt_state=None) -> DecodeServer:
+          corrupt_state=None, data_plane: bool = True,
+          data_plane_host: str | None = None) -> DecodeServer:
   """Starts the control and transfer ports.
 
   ``security`` (a ``paas_jax.security.ServiceSecurity`` of role decode) gives
@@ -426,6 +427,9 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
   ``metrics`` (``paas_jax.observability.ServingMetrics``) records RPCs, queues
   and transfers. Explicit ``interceptors`` run after those. ``logit_probe`` and
   ``corrupt_state``: see ``DecodeServicer``.
+  ``data_plane``: the transfer port also opens the TCP data plane
+  (``paas_jax.transport.dataplane``; TLS and peer rules from ``security``), bound
+  on ``data_plane_host`` (default: ``host``).
   """
   from paas_jax.security.hooks import server_interceptors  # pylint: disable=g-import-not-at-top
   from paas_jax.transport import serve_receiver  # pylint: disable=g-import-not-at-top
@@ -448,8 +452,11 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
       # that, admission control answers RESOURCE_EXHAUSTED before threads run out.
       # Prefill streams (PD-P for another node) are capped by max_queue too.
       max_workers=engine_config.n_slots + 2 * max_queue + 32)
+  from paas_jax.transport.dataplane import tls as dp_tls  # pylint: disable=g-import-not-at-top
+  plane = (dp_tls.receiver_kwargs(security, "decode", credentials, data_plane_host)
+           if data_plane else {})
   transfer = serve_receiver(servicer.receiver, f"{host}:{transfer_port}",
-                            credentials=credentials, interceptors=stack)
+                            credentials=credentials, interceptors=stack, **plane)
   if warmup:
     t = servicer.warmup()
     log.info("decode server warm: %s", t)
@@ -479,10 +486,14 @@ def main(argv):
                  transfer_port=FLAGS.transfer_port, max_queue=FLAGS.max_queue,
                  batch_window_s=FLAGS.batch_window_ms / 1e3, security=security,
                  metrics=metrics, logit_probe=FLAGS.logit_probe,
-                 corrupt_state=handoff_probe.fault_hook(faults, model.config))
+                 corrupt_state=handoff_probe.fault_hook(faults, model.config),
+                 data_plane=FLAGS.transfer_plane == "tcp",
+                 data_plane_host=FLAGS.data_plane_host or None)
   common.write_ready_file(FLAGS.ready_file, {
       "pid": __import__("os").getpid(), "port": server.control.port,
       "transfer_port": server.transfer.port, "model": model.config.name,
+      "data_plane_port": (server.transfer.data_plane.port
+                          if server.transfer.data_plane is not None else 0),
       "metrics_port": metrics_port,
       "startup_s": time.time() - t0})
   log.info("decode server on %s (transfer %s), model %s", server.address,
@@ -493,6 +504,10 @@ def main(argv):
 if __name__ == "__main__":
   cli.define_server_flags("decode")
   flags.DEFINE_integer("transfer_port", 0, "StateTransfer port (0: pick a free one).")
+  flags.DEFINE_enum("transfer_plane", "tcp", ["tcp", "grpc"], "tcp: the transfer port also "
+                    "opens the TCP data plane (announced in BeginResponse); grpc: gRPC only.")
+  flags.DEFINE_string("data_plane_host", "", "Bind the data plane on this address instead "
+                      "of --host (the launcher puts a WAN relay on the announced port).")
   flags.DEFINE_integer("n_slots", 8, "Decode slots.")
   flags.DEFINE_integer("page_size", 16, "KV page size (positions).")
   flags.DEFINE_integer("num_pages", 0, "KV pages (0: n_slots * max_ctx / page_size).")

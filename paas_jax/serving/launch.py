@@ -34,6 +34,9 @@ from paas_jax.security.auth import write_token_files
 from paas_jax.security.faults import FlakyLink
 
 PY = sys.executable
+# Loopback address PD nodes bind their data plane on when a WAN relay sits in front
+# (the relay takes the announced port on the address region A dials).
+_DATA_PLANE_HOST = "127.0.0.3"
 
 
 class LaunchError(RuntimeError):
@@ -137,6 +140,12 @@ class ClusterSpec:
   netem: str = "relay"  # "relay" | "netns"
   codec_compression: str = "raw"
   transfer_streams: int = 2
+  # What carries state bytes A->B: "tcp" (the data plane, paas_jax.transport.
+  # dataplane, through the WAN relay like the gRPC control) or "grpc" (Push
+  # streams). With flaky_wan or prefill fault interceptors the bytes stay on
+  # gRPC (those act on gRPC frames).
+  transfer_plane: str = "grpc"
+  transfer_lanes: int = 2
   compilation_cache: str | None = None
   log_level: str = "WARNING"
   startup_timeout_s: float = 600.0
@@ -227,6 +236,8 @@ class LocalCluster:
       prefill_args = ["-m", "paas_jax.serving.prefill_server", *_server_args(spec, a_host),
                       f"--codec_compression={spec.codec_compression}",
                       f"--transfer_streams={spec.transfer_streams}",
+                      f"--transfer_plane={'grpc' if spec.flaky_wan else spec.transfer_plane}",
+                      f"--transfer_lanes={spec.transfer_lanes}",
                       # Imports PD-P's prefixes (cross-cluster prefix cache); explicit
                       # so that restart() keeps the port the relay forwards to.
                       "--transfer_port=0",
@@ -237,9 +248,14 @@ class LocalCluster:
                      *_server_args(spec, "127.0.0.1"), "--transfer_port=0",
                      f"--n_slots={spec.n_slots}", f"--page_size={spec.page_size}",
                      f"--num_pages={spec.num_pages}", f"--max_queue={spec.max_queue}",
+                     f"--transfer_plane={spec.transfer_plane}",
                      *self._common_args("decode")]
       if spec.decode_faults:
         decode_args.append(f"--faults={spec.decode_faults}")
+      if spec.link is not None and spec.transfer_plane == "tcp":
+        # The relay listens on the announced data-plane port at the host
+        # region A dials (b_host) and forwards to this other loopback address.
+        decode_args.append(f"--data_plane_host={_DATA_PLANE_HOST}")
       if spec.pd_nodes < 1:
         raise LaunchError(f"pd_nodes must be >= 1, got {spec.pd_nodes}")
       self.procs["prefill"] = spawn("prefill", prefill_args, self.workdir, prefix=prefix)
@@ -271,6 +287,12 @@ class LocalCluster:
                       f"--route=transfer={b_host}:0->{transfer_target}@a_to_b",
                       f"--route=control=127.0.0.1:0->{prefill_target}@b_to_a",
                       f"--route=prefix=127.0.0.1:0->{prefix_target}@b_to_a"]
+        # Data planes of the PD nodes, over the same link, on the port they announce.
+        for i, name in enumerate(self.pd_names):
+          dp = self.procs[name].info.get("data_plane_port", 0)
+          if dp and spec.transfer_plane == "tcp":
+            relay_args.append(f"--route=dataplane{i}={b_host}:{dp}->{_DATA_PLANE_HOST}:{dp}"
+                              "@a_to_b")
         # The other PD nodes' StateTransfer ports, over the same link (PrfaaS states).
         for i, name in enumerate(self.pd_names[1:], 1):
           relay_args.append(f"--route=transfer{i}={b_host}:0->127.0.0.1:"

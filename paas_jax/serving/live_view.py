@@ -89,6 +89,8 @@ class LinkReport:
   pending: float
   sent_total: float
   transfers: dict
+  # TCP retransmissions on the sender's data-plane connections (TCP_INFO).
+  retransmits_total: float = 0.0
 
 
 # probe info of a server without a prefix cache: probes skip it (it answers 0).
@@ -213,7 +215,8 @@ class LiveClusterState:
       rows = (info.get("link") or {}).get("transfers") or {}
       report = LinkReport(now, float(g.get("link_bytes_pending", 0.0)),
                           float(g["link_bytes_sent_total"]),
-                          {str(k): v for k, v in rows.items() if isinstance(v, dict)})
+                          {str(k): v for k, v in rows.items() if isinstance(v, dict)},
+                          float(g.get("link_tcp_retransmits_total", 0.0)))
     if kind == "prefill":
       self.prfaas_queue[i] = int(g.get("queue", 0))
       with self._lock:
@@ -433,6 +436,12 @@ class LiveClusterState:
     n = len(prompt)
     return min(best["pdp"], n), min(best["prfaas"], n)
 
+  def link_retransmits(self) -> float:
+    """TCP retransmissions region A's senders report on the link (TCP_INFO of
+    the data-plane connections), summed over prefill servers."""
+    with self._lock:
+      return float(sum(r.retransmits_total for r in self._egress if r is not None))
+
   def snapshot(self) -> dict:
     v = self.view()
     return {"link_bandwidth_bps": v.link_bandwidth_bps, "link_utilization": v.link_utilization,
@@ -440,6 +449,7 @@ class LiveClusterState:
             "prfaas_queue_depth": v.prfaas_queue_depth, "pdp_queue_depth": v.pdp_queue_depth,
             "polls": self.polls, "poll_errors": self.poll_errors,
             "link_measured": self.measured_link_rate() is not None,
+            "link_tcp_retransmits": self.link_retransmits(),
             "ingress_bytes": self.ingress_bytes,
             "ingress_pending_bytes": self.ingress_pending_bytes(),
             "probe_requests": self.probe_requests,

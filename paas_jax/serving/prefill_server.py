@@ -126,7 +126,11 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         self._channels.extend(chans)
         if self.faults is not None and self.faults.interceptors():
           chans = [grpc.intercept_channel(c, *self.faults.interceptors()) for c in chans]
-        sender = StateSender(channels_=chans, options=opts, counters=self.link_counters)
+          # The fault interceptors act on gRPC Push frames: keep the bytes there.
+          opts = dataclasses.replace(opts, plane="grpc")
+        # target: where the data plane is dialled (its host, the announced port).
+        sender = StateSender(target, channels_=chans, options=opts,
+                             counters=self.link_counters)
         self._senders[target] = sender
       return sender
 
@@ -438,6 +442,10 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
     channel_credentials = security.channel_credentials()
     if sender_options is not None:
       sender_options = dataclasses.replace(sender_options, credentials=channel_credentials)
+      if sender_options.plane == "tcp" and sender_options.data_ssl is None:
+        from paas_jax.transport.dataplane import tls as dp_tls  # pylint: disable=g-import-not-at-top
+        sender_options = dataclasses.replace(
+            sender_options, **dp_tls.sender_fields(security, sender_options.lanes))
   servicer = PrefillServicer(model, engine_config, batch_window_s=batch_window_s, codec=codec,
                              sender_options=sender_options,
                              channel_credentials=channel_credentials, max_queue=max_queue,
@@ -484,7 +492,9 @@ def main(argv):
   server = start(model, engine_config, host=FLAGS.host, port=FLAGS.port,
                  batch_window_s=FLAGS.batch_window_ms / 1e3,
                  codec=CodecOptions(compression=FLAGS.codec_compression),
-                 sender_options=SenderOptions(num_streams=FLAGS.transfer_streams),
+                 sender_options=SenderOptions(num_streams=FLAGS.transfer_streams,
+                                              plane=FLAGS.transfer_plane,
+                                              lanes=FLAGS.transfer_lanes),
                  security=security, metrics=metrics,
                  faults=faults if faults.active else None, max_queue=FLAGS.max_queue,
                  transfer_port=FLAGS.transfer_port, stream_chunks=FLAGS.stream_chunks,
@@ -504,6 +514,11 @@ if __name__ == "__main__":
   flags.DEFINE_enum("codec_compression", "raw", ["raw", "zstd", "blosc"],
                     "State codec compression on the link.")
   flags.DEFINE_integer("transfer_streams", 2, "Parallel Push streams per transfer.")
+  flags.DEFINE_enum("transfer_plane", "grpc", ["tcp", "grpc"], "What carries state bytes to "
+                    "decode servers: tcp (the data plane, when the receiver announces one) or "
+                    "grpc (Push streams). Begin/Commit/Abort stay on gRPC either way.")
+  flags.DEFINE_integer("transfer_lanes", 2, "Data-plane connections per transfer "
+                       "(transfer_plane=tcp).")
   flags.DEFINE_integer("transfer_port", 0, "StateTransfer port for prefixes shipped from PD "
                        "nodes (cross-cluster prefix cache; 0: pick a free one).")
   flags.DEFINE_bool("stream_chunks", True, "Stream every prefill chunk as a segment as soon "

@@ -88,6 +88,25 @@ class LinkCounters:
     self.bytes_queued_total = 0
     self.bytes_sent_total = 0
     self.transfers_total = 0
+    # Callables returning TCP retransmissions seen by a sender's data-plane
+    # connections (Linux TCP_INFO); summed into link_tcp_retransmits_total.
+    self._retransmit_sources: list = []
+
+  def add_retransmit_source(self, source) -> None:
+    """``source()`` -> retransmitted segments so far (monotonic per source)."""
+    with self._lock:
+      self._retransmit_sources.append(source)
+
+  def retransmits(self) -> int:
+    with self._lock:
+      sources = list(self._retransmit_sources)
+    total = 0
+    for source in sources:
+      try:
+        total += int(source())
+      except Exception:  # A closed sender must not break GetStats.
+        pass
+    return total
 
   def begin(self, transfer_id: str, num_layers: int) -> LinkTransfer:
     """A transfer opened (Begin accepted); it counts as active until ``end``."""
@@ -134,9 +153,11 @@ class LinkCounters:
     """GetStats gauges: ``link_bytes_pending`` (bytes queued and not yet sent,
     transfers in flight), ``link_transfers_active``, and the monotonic
     ``link_bytes_sent_total``, ``link_bytes_queued_total`` (bytes) and
-    ``link_transfers_total`` counters."""
+    ``link_transfers_total`` counters, and ``link_tcp_retransmits_total``
+    (TCP retransmissions on the data-plane connections, from TCP_INFO)."""
+    retransmits = float(self.retransmits())
     with self._lock:
-      return {"link_bytes_pending": float(self._pending),
+      return {"link_tcp_retransmits_total": retransmits,"link_bytes_pending": float(self._pending),
               "link_transfers_active": float(len(self._active)),
               "link_bytes_sent_total": float(self.bytes_sent_total),
               "link_bytes_queued_total": float(self.bytes_queued_total),

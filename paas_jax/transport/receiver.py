@@ -716,7 +716,8 @@ def serve_receiver(receiver: StateReceiver, address: str = "127.0.0.1:0", *,
                    interceptors=(), data_plane: bool = False,
                    data_ssl: ssl.SSLContext | None = None,
                    data_peers: Sequence[str] | None = None,
-                   data_tuning: Tuning | None = None) -> ReceiverServer:
+                   data_tuning: Tuning | None = None,
+                   data_host: str | None = None) -> ReceiverServer:
   """Starts a gRPC server for ``receiver`` on ``address`` (port 0: any free port).
 
   ``credentials`` (e.g. ``grpc.ssl_server_credentials`` with client-cert
@@ -729,6 +730,9 @@ def serve_receiver(receiver: StateReceiver, address: str = "127.0.0.1:0", *,
   (``dataplane.tls.server_context``) secures it, with ``data_peers`` the
   patterns the senders' certificate names must match; a TLS gRPC port with
   a plaintext data plane is refused (plaintext only behind --insecure).
+  ``data_host``: bind the data plane there instead of the gRPC port's host
+  (e.g. another loopback address, so that a WAN relay can listen on the
+  announced port number at the host senders dial).
   """
   if data_plane and credentials is not None and data_ssl is None:
     raise ValueError("serve_receiver: the gRPC port uses TLS but the data plane has no "
@@ -742,7 +746,8 @@ def serve_receiver(receiver: StateReceiver, address: str = "127.0.0.1:0", *,
   host = address.rsplit(":", 1)[0]
   plane = None
   if data_plane:
-    plane = DataPlaneServer(receiver, host.strip("[]") or "0.0.0.0", 0, ssl_context=data_ssl,
+    plane = DataPlaneServer(receiver, data_host or host.strip("[]") or "0.0.0.0", 0,
+                            ssl_context=data_ssl,
                             peer_patterns=data_peers, tuning=data_tuning or Tuning())
     receiver.data_plane_port = plane.port
   server.start()

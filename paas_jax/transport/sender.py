@@ -588,6 +588,8 @@ class StateSender:
     self._pools: dict[int, LanePool] = {}
     self._pools_lock = threading.Lock()
     self.counters = counters if counters is not None else LinkCounters()
+    me = weakref.ref(self)  # the shared counters must not keep a closed sender alive
+    self.counters.add_retransmit_source(lambda: me().retransmits() if me() is not None else 0)
     self._owns_channels = channels_ is None
     if channels_ is None:
       channels_ = channels.make_channels(target, options.num_connections,
@@ -696,6 +698,10 @@ class StateSender:
                           timeout=self.options.rpc_timeout_s)
     except (grpc.RpcError, ValueError):
       pass
+
+  def retransmits(self) -> int:
+    """TCP retransmissions on this sender's live data-plane connections."""
+    return sum(p.retransmits() for p in self.data_planes)
 
   @property
   def data_planes(self) -> list[LanePool]:

@@ -299,3 +299,18 @@ def test_plaintext_plane_beside_tls_grpc_is_refused(config, make_rx, pki):
   decode = TLSConfig.from_files(files["decode-0"])
   with pytest.raises(ValueError, match="plaintext"):
     make_rx(credentials=decode.server())
+
+
+def test_tcp_info_retransmits_reach_the_link_gauges(config, state, make_rx):
+  rx = make_rx()
+  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=2)) as sender:
+    send(sender, config, state)
+    lanes = [l for p in sender.data_planes for l in p.lanes()]
+    infos = [l.tcp_info() for l in lanes]
+    assert infos and all(i is not None and i.rtt_us > 0 for i in infos)  # Linux TCP_INFO
+    assert sender.retransmits() == sum(i.total_retrans for i in infos)
+    gauges = sender.counters.gauges()
+    assert gauges["link_tcp_retransmits_total"] == sender.retransmits()
+    # A source reporting loss shows up in the same gauge the live view reads.
+    sender.counters.add_retransmit_source(lambda: 7)
+    assert sender.counters.gauges()["link_tcp_retransmits_total"] == sender.retransmits() + 7

@@ -17,6 +17,7 @@ import ssl
 from typing import Sequence
 
 from paas_jax.security.ca import URI_PREFIX
+from paas_jax.security.peers import STATE_TRANSFER_PREFIX, service_rules
 from paas_jax.security.tls import SecurityConfigError, TLSConfig
 
 
@@ -61,3 +62,25 @@ def allowed(names: Sequence[str], patterns: Sequence[str] | None) -> bool:
   if patterns is None:
     return True
   return any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
+
+
+def receiver_kwargs(security, role: str, credentials=None, host: str | None = None) -> dict:
+  """``serve_receiver`` keyword arguments that open the data plane of a serving
+  process's StateTransfer port: TLS and the role's StateTransfer peer patterns
+  from ``security`` (a ``ServiceSecurity``), plaintext when it is None or
+  --insecure. {} (no data plane) when the port has gRPC ``credentials`` but no
+  ``security`` to build the data plane's TLS from."""
+  if security is None or security.insecure:
+    if credentials is not None:
+      return {}
+    return {"data_plane": True, "data_host": host}
+  patterns = service_rules(role)[STATE_TRANSFER_PREFIX]
+  return {"data_plane": True, "data_ssl": server_context(security.tls),
+          "data_peers": patterns, "data_host": host}
+
+
+def sender_fields(security, lanes: int) -> dict:
+  """``SenderOptions`` fields for ``plane="tcp"`` with ``security``'s identity."""
+  if security is None or security.insecure:
+    return {"plane": "tcp", "lanes": lanes}
+  return {"plane": "tcp", "lanes": lanes, "data_ssl": client_context(security.tls)}

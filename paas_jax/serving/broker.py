@@ -45,6 +45,8 @@ from paas_jax.security import cli as security_cli
 from paas_jax.serving import common
 from paas_jax.serving import pd_roles
 from paas_jax.serving.resume import ResumeMetrics, ResumePolicy
+from paas_jax.serving.request_lifecycle import (AttemptFailed, FailureCause, RequestLifecycle,
+                                                RequestPhase, retry_decision)
 from paas_jax.serving.validation import (InvalidRequestError, RequestParams,
                                          make_sampling, validate_request)
 from paas_jax.serving.routing import (PDP, PRFAAS, AdaptiveRouterPolicy, RouteDecision,
@@ -94,7 +96,6 @@ class RequestRecord:
   downstream_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
   created: float = dataclasses.field(default_factory=time.time)
   t0: float = dataclasses.field(default_factory=time.perf_counter)
-  phase: str = "received"
   route: str = ""
   route_reason: str = ""
   threshold: float = 0.0
@@ -133,7 +134,6 @@ class RequestRecord:
   # Route pdp prefilled on a PD-P node and decoded on another (PD-D) node: the
   # state moved like a PrfaaS one, inside region B.
   pd_split: bool = False
-  attempts: int = 0
   reroutes: list = dataclasses.field(default_factory=list)
   # Tokens already sent to the client: a restarted request must reproduce
   # them (sampling is keyed by seed and position) and only sends what follows.
@@ -147,6 +147,20 @@ class RequestRecord:
   resumed_from: str = ""
   resumed_tokens: int = 0
   recomputed_tokens: int = 0
+  # The phase and attempts (request_lifecycle.py); default: a new request.
+  lifecycle: RequestLifecycle | None = None
+
+  def __post_init__(self):
+    if self.lifecycle is None:
+      self.lifecycle = RequestLifecycle(self.request_id)
+
+  @property
+  def phase(self) -> RequestPhase:
+    return self.lifecycle.phase
+
+  @property
+  def attempts(self) -> int:
+    return len(self.lifecycle.attempts)
 
   def elapsed(self) -> float:
     return time.perf_counter() - self.t0
@@ -169,21 +183,11 @@ class RequestRecord:
 
   def to_dict(self) -> dict:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-         if f.name not in ("t0", "prefill_done", "prefill_error", "delivered")}
+         if f.name not in ("t0", "prefill_done", "prefill_error", "delivered", "lifecycle")}
+    d["phase"], d["attempts"] = self.phase.value, self.attempts
     d["prefill_error"] = None if self.prefill_error is None else (
         f"{self.prefill_error[0].name}: {self.prefill_error[1]}")
     return d
-
-
-class _Abort(Exception):
-  """Ends the request with ``code``. ``side`` says where it failed, for the
-  retry decision: "request" (the request itself: never retried), "admission"
-  (a full decode pool: not retried, that would amplify overload), "decode"
-  (the decode server), "prefill" (region A or the state transfer)."""
-
-  def __init__(self, code: grpc.StatusCode, message: str, side: str = "request"):
-    super().__init__(message)
-    self.code, self.message, self.side = code, message, side
 
 
 class BrokerServicer(serving_pb2_grpc.BrokerServicer):
@@ -299,7 +303,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
 
   def _rebalance_step(self) -> None:
     with self._lock:
-      recs = [r for r in self._recent if r.phase == "finished"]
+      recs = [r for r in self._recent if r.phase == RequestPhase.FINISHED]
       n_p_now, _ = pd_roles.split(self._roles)
       moving = any(n.draining for n in self._roles)
     # TPOT per request: decode time after the first token over the tokens that
@@ -550,9 +554,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     def on_rpc_done():
       # Runs when the Generate RPC ends for any reason; if the client went
       # away first, cancel every downstream call (decode slot, transfer).
-      if rec.phase not in ("finished", "failed"):
+      if rec.lifecycle.cancel():
         rec.client_gone = True
-        rec.phase = "cancelled"
         for call in list(calls.values()):
           call.cancel()
     context.add_callback(on_rpc_done)
@@ -562,28 +565,28 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       try:
         decision = self._decide_live(request, prompt, rec)
       except InvalidRequestError as e:
-        raise _Abort(Code.INVALID_ARGUMENT, str(e)) from None
+        raise AttemptFailed(Code.INVALID_ARGUMENT, str(e)) from None
       rec.route, rec.route_reason = decision.route, decision.reason
       rec.threshold = decision.threshold_tokens
       rec.prefix_source = getattr(decision, "prefix_source", "none")
       rec.bandwidth_mode = getattr(decision, "bandwidth_mode", "")
-      rec.phase = "routed"
+      rec.lifecycle.advance(RequestPhase.ROUTED)
       self.counters[f"route_{decision.route}"] += 1
       if self.metrics is not None:
         self.metrics.observe_route(decision.route, decision.reason)
       yield from self._serve(rec, prompt, params, calls, context)
-      if rec.phase == "finished":
+      if rec.phase == RequestPhase.FINISHED:
         outcome = "OK"
         log.info("request finished", extra={
             "request_id": rid, "route": rec.route, "tokens": len(rec.delivered),
             "attempts": rec.attempts, "ttft_s": round(rec.first_token_s, 4),
             "total_s": round(rec.elapsed(), 4), "prefill_server": rec.prefill_server,
             "decode_server": rec.decode_server})
-    except _Abort as e:
+    except AttemptFailed as e:
       rec.error = f"{e.code.name}: {e.message}"
       outcome = e.code.name
       if not rec.client_gone:
-        rec.phase = "failed"
+        rec.lifecycle.advance(RequestPhase.FAILED)
         self.counters["failed"] += 1
         log.warning("request %s failed: %s", rid, rec.error, extra={"request_id": rid})
         context.abort(e.code, e.message)
@@ -592,7 +595,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       # instead of a bare traceback.
       log.exception("request %s failed", rid, extra={"request_id": rid})
       rec.error = f"INTERNAL: {e!r}"
-      rec.phase = "failed"
+      if not rec.lifecycle.terminal:
+        rec.lifecycle.advance(RequestPhase.FAILED)
       outcome = "INTERNAL"
       self.counters["failed"] += 1
       context.abort(Code.INTERNAL, f"broker error: {e!r}")
@@ -619,22 +623,24 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     resume = None  # resume.ResumeDecision of this attempt
     while True:
       downstream_id = rec.downstream_id if attempt == 0 else f"{rec.downstream_id}~{attempt}"
-      rec.attempts = attempt + 1
+      att = rec.lifecycle.begin_attempt(route, downstream_id)
       rec.prefill_error = None
       rec.prefill_done = threading.Event()
       pi = None
       if route == PRFAAS:
         pi = self._pick("prefill", bad_prefill)
         if pi is None:
-          route = self._reroute(rec, PDP, "no healthy prefill server", fallback=True)
+          route = att.route = self._reroute(rec, PDP, "no healthy prefill server",
+                                            fallback=True)
       di = self._pick("decode", bad_decode, prefer=resume.decode_index if resume else -1)
       if resume is not None and di != resume.decode_index:
         resume = None  # the node holding the commit point is gone: a full prefill
       if di is None:
         if pi is not None:
           self._release("prefill", pi)
-        raise _Abort(Code.UNAVAILABLE, "no healthy decode server in the PD region"
-                     + (f" (after: {rec.reroutes[-1]})" if rec.reroutes else ""), "decode")
+        raise AttemptFailed(Code.UNAVAILABLE, "no healthy decode server in the PD region"
+                            + (f" (after: {rec.reroutes[-1]})" if rec.reroutes else ""),
+                            FailureCause.DECODE)
       try:
         if attempt == 0:
           self._ship_prefix(rec, prompt, context, route, di, pi, calls)
@@ -648,19 +654,20 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         else:
           yield from self._pd_prefill(rec, prompt, params, calls, context, downstream_id, di)
         return
-      except _Abort as e:
+      except AttemptFailed as e:
+        rec.lifecycle.fail_attempt(att, e)
         if e.code == Code.UNAVAILABLE and not rec.client_gone:
           # Its connection broke: out of routing until a health probe (over the
           # same channel) succeeds again.
-          if e.side == "decode":
+          if e.cause == FailureCause.DECODE:
             self.health.mark_down(self._address("decode", di), e.message)
-          elif e.side == "prefill" and pi is not None:
+          elif e.cause == FailureCause.PREFILL and pi is not None:
             self.health.mark_down(self._address("prefill", pi), e.message)
-        if not self._retryable(rec, e, context) or attempt + 1 >= self.max_attempts:
+        if not self._retry_decision(rec, e, att, context).retry:
           raise
         attempt += 1
         calls.clear()
-        if e.side == "decode":
+        if e.cause == FailureCause.DECODE:
           # The decode server went away: restart from a prefill on another one
           # (remote again if that was the route).
           bad_decode.add(di)
@@ -758,7 +765,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
                    if self.health.is_healthy(self.decode_targets[i].control)]
       target, link = self.prefill_transfer_targets[pi], "B->A"
     rec.prefix_transfer = f"{src}->{route}"
-    rec.phase = "prefix_transfer"
+    rec.lifecycle.advance(RequestPhase.PREFIX_SHIPPING)
     budget = min(self.prefix_transfer_timeout_s, common.remaining_s(context) / 2)
     deadline = time.monotonic() + budget
     req = serving_pb2.ExportPrefixRequest(transfer_id=rec.downstream_id, model=self.config.name,
@@ -790,7 +797,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         live.transfer_finished(tid, prompt_tokens=resp.tokens if resp else 0,
                                nbytes=resp.bytes_sent if resp else 0,
                                duration_s=resp.transfer_s if resp else 0.0, direction=link)
-      rec.phase = "routed"
+      rec.lifecycle.advance(RequestPhase.ROUTED)
     if resp is None:
       rec.prefix_transfer_error = error
       rec.route_reason += f";prefix_transfer_failed({src}->{route}):{error.split(':', 1)[0]}"
@@ -807,21 +814,15 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     self.counters["prefix_transfer_tokens"] += resp.tokens
     self.counters["prefix_transfer_bytes"] += resp.bytes_sent
 
-  def _retryable(self, rec: RequestRecord, e: _Abort, context) -> bool:
-    if rec.client_gone or e.side in ("request", "admission"):
-      return False
-    if e.code == Code.INVALID_ARGUMENT:
-      return False
-    if e.code == Code.RESOURCE_EXHAUSTED and e.side != "prefill":
-      return False  # a full decode pool: retrying elsewhere would amplify overload
-    if common.remaining_s(context) < 0.5:
-      return False  # the client's own deadline: nothing left to retry with
-    if e.side == "decode":
-      # Restart from a prefill elsewhere; needs another healthy decode server.
-      return e.code == Code.UNAVAILABLE and any(
-          i != self._decode_index(rec) and self.health.is_healthy(t.control)
-          for i, t in enumerate(self.decode_targets))
-    return not rec.delivered  # prefill side: before any token reached the client
+  def _retry_decision(self, rec: RequestRecord, e: AttemptFailed, att, context):
+    """``request_lifecycle.retry_decision`` with this request's facts."""
+    mine = self._decode_index(rec)
+    return retry_decision(
+        e.cause, e.code, att.number, max_attempts=self.max_attempts,
+        client_gone=rec.client_gone, time_left_s=common.remaining_s(context),
+        tokens_delivered=len(rec.delivered),
+        other_decode_healthy=any(i != mine and self.health.is_healthy(t.control)
+                                 for i, t in enumerate(self.decode_targets)))
 
   def _decode_index(self, rec: RequestRecord) -> int:
     for i, t in enumerate(self.decode_targets):
@@ -841,7 +842,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     if self.metrics is not None:
       self.metrics.observe_reroute(cause, route)
     rec.route = route
-    rec.phase = "rerouted"
+    rec.lifecycle.advance(RequestPhase.REROUTED)
     rec.prefill_done.set()
     return route
 
@@ -880,8 +881,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     try:
       yield from self._remote_once(rec, prompt, params, calls, context, downstream_id, di,
                                    None, pd_node=ni, on_prefill_done=release)
-    except _Abort as e:
-      if e.side == "prefill" and e.code == Code.UNAVAILABLE and not rec.client_gone:
+    except AttemptFailed as e:
+      if e.cause == FailureCause.PREFILL and e.code == Code.UNAVAILABLE and not rec.client_gone:
         self.health.mark_down(self._address("pdp", ni), e.message)
       raise
     finally:
@@ -892,7 +893,10 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     rec.pd_split = False
     rec.decode_server = self.decode_targets[di].control
     rec.prefill_server = rec.decode_server
-    rec.phase = "prefilling"
+    att = rec.lifecycle.attempt
+    att.decode_node = att.prefill_node = rec.decode_server
+    att.pd_split = False
+    rec.lifecycle.advance(RequestPhase.PREFILLING)
     try:
       dcall = self._decode_stubs[di].Decode(
           self._decode_request(rec, prompt, params, False, downstream_id, resume_from),
@@ -918,6 +922,9 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     else:
       rec.prefill_server = self.decode_targets[pd_node].control
       pstub, state_target = self._pdp_stubs[pd_node], target.intra_transfer
+    att = rec.lifecycle.attempt
+    att.decode_node, att.prefill_node, att.pd_split = (rec.decode_server, rec.prefill_server,
+                                                      rec.pd_split)
     md = request_metadata(rec.request_id)
     dcall = self._decode_stubs[di].Decode(
         self._decode_request(rec, prompt, params, True, downstream_id),
@@ -928,13 +935,13 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     except grpc.RpcError as e:
       err = self._downstream_error(rec, e, "decode server")
       if err.code != Code.UNAVAILABLE:
-        err.side = "admission"
+        err.cause = FailureCause.ADMISSION
       raise err from None
     except StopIteration:
-      raise _Abort(Code.INTERNAL, "decode server closed the stream before accepting")
+      raise AttemptFailed(Code.INTERNAL, "decode server closed the stream before accepting")
     if not accepted.accepted:
-      raise _Abort(Code.INTERNAL, "decode server answered without accepting the request")
-    rec.phase = "prefilling"
+      raise AttemptFailed(Code.INTERNAL, "decode server answered without accepting the request")
+    rec.lifecycle.advance(RequestPhase.PREFILLING)
     preq = serving_pb2.PrefillRequest(
         request_id=downstream_id, model=self.config.name, prompt_ids=prompt,
         sampling=self._sampling_msg(params), seed=params.seed,
@@ -946,18 +953,18 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       dcall.cancel()
     follower = threading.Thread(target=self._follow_prefill,
                                 args=(rec, pcall, dcall, self._decode_stubs[di],
-                                      downstream_id, rec.prefill_done),
+                                      downstream_id, rec.prefill_done, att),
                                 kwargs={"wan": pd_node is None, "on_done": on_prefill_done},
                                 name=f"prefill-{rec.request_id[:8]}", daemon=True)
     follower.start()
     try:
       yield from self._relay(rec, dcall, context)
-    except _Abort:
+    except AttemptFailed:
       pcall.cancel()  # never leave region A working for a failed attempt
       raise
 
   def _follow_prefill(self, rec: RequestRecord, pcall, dcall, dstub, downstream_id: str,
-                      done: threading.Event, wan: bool = True, on_done=None) -> None:
+                      done: threading.Event, att, wan: bool = True, on_done=None) -> None:
     """Reads the Prefill stream: hands the first token over, records link stats
     (``wan``: the transfer crossed the inter-region link). ``on_done`` runs
     once the prefill stream ended."""
@@ -972,7 +979,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
           rec.prefill_s, rec.prefill_queue_s = ft.prefill_s, ft.queue_s
           rec.prefill_batch_size = ft.batch_size
           rec.cached_tokens = ft.cached_tokens
-          rec.phase = "transferring"
+          rec.lifecycle.advance(RequestPhase.TRANSFERRING, att)
           # The prefill side's logit probe goes along: the decode server checks
           # the state it received against it before decoding (DATA_LOSS if not).
           dstub.Handoff(serving_pb2.HandoffRequest(
@@ -989,8 +996,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
             rec.link_bytes = 0  # PD-P -> PD-D: region B's own network, not the link
           sent.update(nbytes=d.bytes_sent, duration_s=d.transfer_s)
     except grpc.RpcError as e:
-      if (not rec.client_gone and rec.phase not in ("finished", "failed", "rerouted")
-          and done is rec.prefill_done):
+      if (not rec.client_gone and done is rec.prefill_done and rec.phase not in (
+          RequestPhase.FINISHED, RequestPhase.FAILED, RequestPhase.REROUTED)):
         rec.prefill_error = (common.rpc_code(e), common.rpc_details(e))
         dcall.cancel()  # wakes the relay, which reports prefill_error
     finally:
@@ -1000,21 +1007,23 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       if on_done is not None:
         on_done()
 
-  def _downstream_error(self, rec: RequestRecord, e: grpc.RpcError, who: str) -> _Abort:
+  def _downstream_error(self, rec: RequestRecord, e: grpc.RpcError, who: str) -> AttemptFailed:
     code, details = common.rpc_code(e), common.rpc_details(e)
     if code == Code.UNAVAILABLE:
       # The decode server's connection broke (or it is shutting down).
-      return _Abort(code, f"{who} {rec.decode_server} is unavailable: {details}", "decode")
+      return AttemptFailed(code, f"{who} {rec.decode_server} is unavailable: {details}",
+                           FailureCause.DECODE)
     if rec.prefill_error is not None and code == Code.CANCELLED:
       # The prefill side failed first; the follower cancelled the decode stream.
       pcode, pdetails = rec.prefill_error
-      return _Abort(pcode, f"prefill server {rec.prefill_server}: {pdetails}", "prefill")
+      return AttemptFailed(pcode, f"prefill server {rec.prefill_server}: {pdetails}",
+                           FailureCause.PREFILL)
     if code in (Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED):
-      return _Abort(code, f"{who}: {details}", "request")
+      return AttemptFailed(code, f"{who}: {details}", FailureCause.REQUEST)
     # e.g. a state transfer that failed on the decode side (DATA_LOSS, CANCELLED,
     # DEADLINE_EXCEEDED): the prefill path's fault.
-    return _Abort(code, f"{who}: {details}",
-                  "prefill" if rec.route == PRFAAS or rec.pd_split else "decode")
+    return AttemptFailed(code, f"{who}: {details}", FailureCause.PREFILL
+                         if rec.route == PRFAAS or rec.pd_split else FailureCause.DECODE)
 
   def _relay(self, rec: RequestRecord, dcall, context):
     """Forwards the decode stream to the client. After a restart, the tokens the
@@ -1039,8 +1048,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         tokens = list(ev.token_ids)
         while replay and tokens:
           if tokens[0] != replay[0]:
-            raise _Abort(Code.ABORTED, "the restarted request diverged from the tokens "
-                         "already sent; retry the request")
+            raise AttemptFailed(Code.ABORTED, "the restarted request diverged from the tokens "
+                                "already sent; retry the request")
           tokens.pop(0)
           replay.pop(0)
         if not tokens and not ev.finished:
@@ -1053,7 +1062,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
           out.text = decoder.feed(tokens)
         if tokens and not rec.first_token_s:
           rec.first_token_s = rec.elapsed()
-          rec.phase = "decoding"
+          rec.lifecycle.advance(RequestPhase.DECODING)
           out.summary.CopyFrom(rec.summary())
           if self.metrics is not None:
             self.metrics.observe_first_token(rec.route, rec.first_token_s)
@@ -1062,7 +1071,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
           if rec.route == PRFAAS or rec.pd_split:
             rec.prefill_done.wait(timeout=10.0)
           rec.total_s = rec.elapsed()
-          rec.phase = "finished"
+          rec.lifecycle.advance(RequestPhase.FINISHED)
           self.counters["finished"] += 1
           out.finished = True
           out.finish_reason = ev.finish_reason
@@ -1080,7 +1089,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       raise self._downstream_error(rec, e, "decode server") from None
     if rec.client_gone:
       return
-    raise _Abort(Code.INTERNAL, "decode stream ended without finishing the request")
+    raise AttemptFailed(Code.INTERNAL, "decode stream ended without finishing the request")
 
   def _resumed(self, rec: RequestRecord, resumed_tokens: int) -> None:
     """A resumed attempt got its slot: record the prompt tokens it did not recompute."""

@@ -236,6 +236,7 @@ def _broker_with_records(apply: bool, pdp_slow: float):
   from paas_jax.models import load_config
   from paas_jax.serving import broker as broker_lib
   from paas_jax.serving.broker import make_policy
+  from paas_jax.serving.request_lifecycle import RequestLifecycle, RequestPhase
   targets = [broker_lib.DecodeTarget(f"127.0.0.1:{p}", f"127.0.0.1:{p + 1}")
              for p in (1, 3, 5)]
   b = broker_lib.BrokerServicer(load_config("tiny_gdn_gqa"), make_policy("adaptive", 150),
@@ -245,7 +246,8 @@ def _broker_with_records(apply: bool, pdp_slow: float):
   b._n_slots, b.rebalance_apply = 8, apply
   for i, r in enumerate(_rows(pdp_slow=pdp_slow)):
     rec = broker_lib.RequestRecord(request_id=f"r{i}", prompt_tokens=r.input_tokens,
-                                   max_new_tokens=16, route=r.route, phase="finished",
+                                   max_new_tokens=16, route=r.route,
+                                   lifecycle=RequestLifecycle(f"r{i}", RequestPhase.FINISHED),
                                    prefill_s=r.prefill_s, generated=16,
                                    link_bytes=int(r.link_bytes or 0), first_token_s=0.1,
                                    total_s=0.1 + 15 * 0.002)  # TPOT 2 ms

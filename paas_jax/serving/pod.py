@@ -94,6 +94,57 @@ def initialize_region(spec: RegionSpec) -> None:
                        "--xla_force_host_platform_device_count before JAX starts)")
 
 
+def kv_client():
+  """The region's coordination key-value store (deadline-bounded gets and
+  barriers), or None outside ``jax.distributed``. JAX exposes it only through
+  this private module."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  return distributed.global_state.client
+
+
+class Barrier:
+  """Named barriers of one region through the coordinator, each with the
+  region's deadline: ``barrier("prefill")`` returns once every process got
+  there, or raises after ``timeout_s`` (a dead or stuck peer)."""
+
+  def __init__(self, spec: RegionSpec):
+    self.spec = spec
+    self._count = 0
+
+  def __call__(self, name: str) -> None:
+    if self.spec.num_processes == 1:
+      return
+    self._count += 1
+    kv_client().wait_at_barrier(f"region/{name}/{self._count}",
+                                int(self.spec.timeout_s * 1000))
+
+
+def _no_barrier(name: str) -> None:
+  del name
+
+
+_COMPILED: dict = {}
+
+
+def _synchronized_call(jitted, static: tuple[int, ...], args: tuple, barrier, name: str):
+  """Compiles ``jitted`` for ``args``, waits for the whole region at ``barrier``,
+  then runs it. Gloo gives a collective only a short while for every process
+  to join, and a process still compiling (compiles take long on a loaded
+  host) would fail the others; compiling first makes the collectives start
+  together. Compiled programs are kept per (function, static args, avals)."""
+  dynamic = tuple(a for i, a in enumerate(args) if i not in static)
+  leaves, treedef = jax.tree_util.tree_flatten(dynamic)
+  key = (name, tuple(args[i] for i in static), treedef,
+         tuple((np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
+               for x in leaves))
+  compiled = _COMPILED.get(key)
+  if compiled is None:
+    compiled = jitted.lower(*args).compile()
+    barrier(name)
+    _COMPILED[key] = compiled
+  return compiled(*dynamic)
+
+
 def region_mesh(devices: Sequence[Any] | None = None) -> Mesh:
   """A 1-D ``tp`` mesh over ``devices`` (default: every device of every process),
   ordered by process, so each process holds a contiguous range of shards."""
@@ -183,9 +234,10 @@ def _host_scalar(x: jax.Array) -> np.ndarray:
   return np.asarray(x.addressable_data(0))
 
 
-def region_prefill(model: Model, mesh: Mesh, prompt: Sequence[int], capacity: int | None = None
-                   ) -> tuple[int, DecodeState]:
-  """Greedy prefill of one prompt on the whole region (every process calls it).
+def region_prefill(model: Model, mesh: Mesh, prompt: Sequence[int], capacity: int | None = None,
+                   barrier=_no_barrier) -> tuple[int, DecodeState]:
+  """Greedy prefill of one prompt on the whole region (every process calls it;
+  pass the region's ``Barrier`` when it has several processes).
 
   Returns:
     (first generated token, the ``DecodeState`` sharded by ``state_shardings``).
@@ -199,20 +251,70 @@ def region_prefill(model: Model, mesh: Mesh, prompt: Sequence[int], capacity: in
   tokens[0, :seq] = prompt
   state = jax.jit(lambda: init_state(config, 1, capacity),
                   out_shardings=shardings)()
-  token, state = _sharded_prefill(model.graphdef, model.params, replicated(mesh, tokens),
-                                  state, replicated(mesh, np.array([seq], np.int32)),
-                                  _StaticShardings(shardings))
+  token, state = _synchronized_call(
+      _sharded_prefill, (0, 5),
+      (model.graphdef, model.params, replicated(mesh, tokens), state,
+       replicated(mesh, np.array([seq], np.int32)), _StaticShardings(shardings)),
+      barrier, "prefill")
   return int(_host_scalar(token)[0]), state
 
 
-def region_step(model: Model, mesh: Mesh, state: DecodeState, token: int
-                ) -> tuple[int, DecodeState]:
+def region_step(model: Model, mesh: Mesh, state: DecodeState, token: int,
+                barrier=_no_barrier) -> tuple[int, DecodeState]:
   """One greedy decode step of a batch-1 state on the whole region."""
   shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
-  token, state = _sharded_step(model.graphdef, model.params,
-                               replicated(mesh, np.array([token], np.int32)), state,
-                               _StaticShardings(shardings))
+  token, state = _synchronized_call(
+      _sharded_step, (0, 4),
+      (model.graphdef, model.params, replicated(mesh, np.array([token], np.int32)), state,
+       _StaticShardings(shardings)), barrier, "step")
   return int(_host_scalar(token)[0]), state
+
+
+def synthetic_state(config: ModelConfig, mesh: Mesh, capacity: int, seed: int = 0
+                    ) -> DecodeState:
+  """A full batch-1 state of random values (``lengths = capacity``), placed by
+  ``state_shardings``: the same state for any mesh and process count, for
+  measuring transfers without a prefill."""
+  like = abstract_state(config, 1, capacity)
+
+  def make():
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    out = [jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype)
+           if jnp.issubdtype(x.dtype, jnp.floating) else jnp.zeros(x.shape, x.dtype)
+           for k, x in zip(keys, leaves)]
+    state = jax.tree_util.tree_unflatten(treedef, out)
+    return state.replace(lengths=jnp.full((1,), capacity, jnp.int32))
+
+  return jax.jit(make, out_shardings=state_shardings(config, mesh, 1, capacity))()
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  """sum(bits[i] * (2 i + 1)) mod 2**32 over the flat index i: exact in any
+  reduction order (integer arithmetic), so equal for any mesh, and sensitive
+  to moved values, not only to changed ones."""
+  if x.dtype.itemsize not in (1, 2, 4):
+    raise ValueError(f"no checksum for dtype {x.dtype}")
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+  bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+  index = jnp.zeros(x.shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(x.ndim)):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride)
+    stride = (stride * x.shape[axis]) % (1 << 32)
+  return jnp.sum(bits * (index * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+
+
+@jax.jit
+def _checksums(state):
+  return jax.tree_util.tree_map(_leaf_checksum, state)
+
+
+def state_checksum(state: Any, barrier=_no_barrier) -> dict[str, int]:
+  """Leaf name -> ``_leaf_checksum`` (every process of the region calls it;
+  each reads the replicated result)."""
+  sums = _synchronized_call(_checksums, (), (state,), barrier, "checksum")
+  return {n: int(_host_scalar(x)) for n, x in layout.named_leaves(sums)}
 
 
 class _StaticShardings:

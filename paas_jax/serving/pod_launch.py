@@ -94,16 +94,21 @@ def run_local(config: ModelConfig, prompt: Sequence[int], *, pod_processes: int,
               pod_devices: int, slice_processes: int, slice_devices: int,
               max_new_tokens: int, workdir: str | pathlib.Path, timeout_s: float = 120.0,
               seed: int = 0, codec: dict | None = None,
-              in_process_devices: Sequence[Any] | None = None) -> LocalRun:
+              in_process_devices: Sequence[Any] | None = None,
+              synthetic_tokens: int | None = None) -> LocalRun:
   """Runs one request: prefill on the pod, shard-to-shard transfer, decode on
   the slice. With ``in_process_devices`` (Q = 1 only), the slice runs in this
-  process on those devices."""
+  process on those devices. With ``synthetic_tokens``, the pod makes a random
+  full state of that many tokens instead of a prefill, and the slice restores
+  it without decoding (transfer benchmarks); ``prompt`` is then unused."""
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   request_id = uuid.uuid4().hex[:12]
   t0 = time.monotonic()
   deadline = t0 + timeout_s
   common = {"config": config.to_dict(), "seed": seed, "request_id": request_id}
+  if synthetic_tokens is not None:
+    common["synthetic_tokens"] = int(synthetic_tokens)
   slice_coord = f"127.0.0.1:{free_port()}"
   in_process = in_process_devices is not None
   if in_process and slice_processes != 1:

@@ -39,35 +39,38 @@ from paas_jax.transport.receiver import ReceiverOptions, StateReceiver, serve_re
 from paas_jax.transport.sender import SenderOptions
 
 
-def _kv_client():
-  # The coordination service's key-value store (deadline-bounded gets); JAX
-  # exposes it only through this module.
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-  return distributed.global_state.client
-
-
 def run_prefill(spec: dict) -> dict:
   """Prefills ``spec["prompt"]`` on the pod and streams this process's shards."""
   region = pod.RegionSpec.from_dict(spec["region"])
   config = ModelConfig.from_dict(spec["config"])
   mesh = pod.region_mesh()
-  model = pod.shard_model(Model.create(config, int(spec.get("seed", 0))), mesh)
-  prompt = [int(t) for t in spec["prompt"]]
+  barrier = pod.Barrier(region)
   t0 = time.perf_counter()
-  first, state = pod.region_prefill(model, mesh, prompt)
+  checksum = None
+  if "synthetic_tokens" in spec:
+    token_count, first = int(spec["synthetic_tokens"]), 0
+    state = pod.synthetic_state(config, mesh, token_count, int(spec.get("seed", 0)))
+    checksum = pod.state_checksum(state, barrier)
+  else:
+    model = pod.shard_model(Model.create(config, int(spec.get("seed", 0))), mesh)
+    prompt = [int(t) for t in spec["prompt"]]
+    token_count = len(prompt)
+    first, state = pod.region_prefill(model, mesh, prompt, barrier=barrier)
   jax.block_until_ready(state)
   prefill_s = time.perf_counter() - t0
+  barrier("transfer")  # Every pod process starts the transfer together.
 
+  start_wall = time.time()
   t1 = time.perf_counter()
   options = CodecOptions(**spec.get("codec", {}))
-  groups = list(encode_groups(state, options=options, token_count=len(prompt)))
+  groups = list(encode_groups(state, options=options, token_count=token_count))
   mine = pod_transfer.partial_manifest(
       groups, model_id=config.name, config_fingerprint=config.fingerprint(),
-      token_count=len(prompt), batch=1, options=options)
+      token_count=token_count, batch=1, options=options)
   if region.num_processes > 1:
     merged = pod_transfer.exchange_manifests(
         mine, key=f"pod/{spec['request_id']}/manifest", process_id=region.process_id,
-        num_processes=region.num_processes, timeout_s=region.timeout_s, kv=_kv_client())
+        num_processes=region.num_processes, timeout_s=region.timeout_s, kv=pod.kv_client())
   else:
     merged = mine
   source = placement_from_state(state)
@@ -88,6 +91,7 @@ def run_prefill(spec: dict) -> dict:
   return {
       "role": "prefill", "process": region.process_id, "first_token": first,
       "prefill_s": prefill_s, "transfer_s": time.perf_counter() - t1,
+      "transfer_start_wall": start_wall, "checksum": checksum,
       "encoded_keys": encoded,
       "encoded_bytes": sum(len(v) for g in groups for k, v in g.blobs.items()
                            if not k.endswith("zarr.json")),
@@ -117,13 +121,16 @@ def run_slice(spec: dict, server=None, devices: Sequence[Any] | None = None) -> 
     server = start_slice_receiver(config, spec["address"], region.timeout_s)
   try:
     mesh = pod.region_mesh(devices)
-    model = pod.shard_model(Model.create(config, int(spec.get("seed", 0))), mesh)
-    max_new = int(spec["max_new_tokens"])
+    barrier = pod.Barrier(region)
+    synthetic = "synthetic_tokens" in spec
+    if not synthetic:
+      model = pod.shard_model(Model.create(config, int(spec.get("seed", 0))), mesh)
+    max_new = 0 if synthetic else int(spec["max_new_tokens"])
     collected = pod_transfer.collect(server.receiver, spec["request_id"], region.process_id,
                                      region.timeout_s)
     t0 = time.perf_counter()
     prompt_len = collected.envelope.manifest.token_count
-    capacity = round_up(prompt_len + max_new)
+    capacity = prompt_len if synthetic else round_up(prompt_len + max_new)
     placement = pod.state_placement(config, MeshSpec.from_mesh(mesh))
     received = sorted(collected.received)
     wire = collected.wire_bytes
@@ -132,14 +139,19 @@ def run_slice(spec: dict, server=None, devices: Sequence[Any] | None = None) -> 
                                  pod.state_shardings(config, mesh, 1, capacity))
     jax.block_until_ready(state)
     restore_s = time.perf_counter() - t0
+    done_wall = time.time()
+    if synthetic:
+      return {"role": "decode", "process": region.process_id, "tokens": [],
+              "checksum": pod.state_checksum(state, barrier), "received_keys": received,
+              "wire_bytes": wire, "restore_s": restore_s, "done_wall": done_wall}
     token = collected.envelope.first_token
     tokens = [token]
     for _ in range(max_new - 1):
-      token, state = pod.region_step(model, mesh, state, token)
+      token, state = pod.region_step(model, mesh, state, token, barrier=barrier)
       tokens.append(token)
     return {"role": "decode", "process": region.process_id, "tokens": tokens,
             "received_keys": [k for k in received if not k.endswith("zarr.json")],
-            "wire_bytes": wire, "restore_s": restore_s}
+            "wire_bytes": wire, "restore_s": restore_s, "done_wall": done_wall}
   finally:
     if own_server:
       server.stop(grace=None)

@@ -314,3 +314,36 @@ def test_tcp_info_retransmits_reach_the_link_gauges(config, state, make_rx):
     # A source reporting loss shows up in the same gauge the live view reads.
     sender.counters.add_retransmit_source(lambda: 7)
     assert sender.counters.gauges()["link_tcp_retransmits_total"] == sender.retransmits() + 7
+
+
+def test_serving_helpers_build_the_tls_plane_from_service_security(config, state, pki):
+  """The serving stack's wiring (decode receiver_kwargs, prefill sender_fields)."""
+  from paas_jax.security import ServiceSecurity
+  files, _ = pki
+  decode = ServiceSecurity(TLSConfig.from_files(files["decode-0"]), "decode")
+  prefill = ServiceSecurity(TLSConfig.from_files(files["prefill-0"]), "prefill")
+  broker = ServiceSecurity(TLSConfig.from_files(files["broker-0"]), "broker")
+  receiver = StateReceiver(models={config.name: config.fingerprint()},
+                           template=lambda info: (abstract_state(config, 1, 128), None))
+  server = serve_receiver(receiver, credentials=decode.server_credentials(),
+                          **dp_tls.receiver_kwargs(decode, "decode",
+                                                   decode.server_credentials()))
+  try:
+    assert server.data_plane is not None and server.data_plane.ssl_context is not None
+    for who, ok in ((prefill, True), (broker, False)):
+      options = SenderOptions(credentials=who.channel_credentials(), rpc_timeout_s=30,
+                              **dp_tls.sender_fields(who, 2))
+      with StateSender(server.target, options=options) as sender:
+        if ok:
+          send(sender, config, state)
+          assert_states_match(state, receiver.ready.get(timeout=10).state, N)
+        else:  # a broker certificate may not push states (decode peer rules)
+          with pytest.raises(TransferError) as e:
+            send(sender, config, state)
+          assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+  finally:
+    server.stop(0)
+  # gRPC TLS without a ServiceSecurity to build the plane's TLS from: no plane.
+  assert dp_tls.receiver_kwargs(None, "decode", decode.server_credentials()) == {}
+  plain = dp_tls.receiver_kwargs(None, "decode")
+  assert plain["data_plane"] and "data_ssl" not in plain

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import pathlib
+import signal
 import sys
 import threading
 import time
@@ -89,11 +90,14 @@ flags.DEFINE_integer("shared_prefix_tokens", 0, "Shared-prefix workload: every p
 flags.DEFINE_bool("tls", True, "Mutual TLS between broker and regions and TLS + a bearer "
                   "token at the broker (a local CA and token in <workdir>/certs); --notls "
                   "runs every process with an explicit --insecure.")
-flags.DEFINE_enum("fault", "none", ["none", "kill_prefill", "kill_decode", "drop_link",
-                                    "stall_link", "corrupt_chunks", "corrupt_state"],
-                  "Inject a fault: kill_prefill: region A exits in the middle of its first "
-                  "state transfer (the broker re-prefills elsewhere; restarted after "
-                  "--fault_duration_s); kill_decode: SIGKILL region B at --fault_at_s (its "
+flags.DEFINE_enum("fault", "none", ["none", "kill_prefill", "preempt_prefill", "kill_decode",
+                                    "drop_link", "stall_link", "corrupt_chunks", "corrupt_state"],
+                  "Inject a fault: kill_prefill: region A exits right after the first partial "
+                  "commit point of a streamed prompt (the broker resumes the request from it "
+                  "on region B; restarted after --fault_duration_s); preempt_prefill: SIGTERM "
+                  "region A at --fault_at_s with a 0.5 s grace period (it stops taking work, "
+                  "commits what it can and hands in-flight requests to resume; restarted "
+                  "after --fault_duration_s); kill_decode: SIGKILL region B at --fault_at_s (its "
                   "requests fail with UNAVAILABLE; restarted after --fault_duration_s); "
                   "drop_link / stall_link: the WAN link resets / stalls for "
                   "--fault_duration_s; corrupt_chunks: 3 state chunks are corrupted on the wire; "
@@ -200,9 +204,18 @@ def inject_fault(cluster, log: list[str]) -> None:
     log.append(f"{time.perf_counter() - t0:6.2f} s: {text}")
 
   if fault == "kill_prefill":
-    # The prefill server kills itself in its first state transfer.
+    # The prefill server kills itself after the first partial commit point.
     code = cluster.procs["prefill"].popen.wait()
-    note(f"region A (prefill) died mid-transfer, exit status {code}")
+    note(f"region A (prefill) died after a commit point, exit status {code}")
+    time.sleep(down)
+    cluster.restart("prefill", drop_prefix="--faults")
+    note("region A restarted on its old port (rejoins through health checks)")
+  elif fault == "preempt_prefill":
+    time.sleep(at)
+    cluster.procs["prefill"].popen.send_signal(signal.SIGTERM)
+    note("preemption notice (SIGTERM) to region A, grace 0.5 s")
+    code = cluster.procs["prefill"].popen.wait()
+    note(f"region A (prefill) handed its in-flight requests over and exited ({code})")
     time.sleep(down)
     cluster.restart("prefill", drop_prefix="--faults")
     note("region A restarted on its old port (rejoins through health checks)")
@@ -326,11 +339,15 @@ def main(argv):
                      transfer_plane=FLAGS.transfer_plane,
                      prefix_block=FLAGS.prefix_block, rebalance_every_s=2.0,
                      compilation_cache=FLAGS.compilation_cache, tls=FLAGS.tls,
-                     prefill_faults={"kill_prefill": "kill_after_layers=2",
+                     prefill_faults={"kill_prefill": "kill_after_commits=1,kill_on_transfer=0",
+                                     "preempt_prefill": "layer_delay_s=0.05",
                                      "corrupt_chunks": "corrupt_chunks=3"}.get(FLAGS.fault, ""),
                      decode_faults=(f"corrupt_states={FLAGS.fault_states}"
                                     if FLAGS.fault == "corrupt_state" else ""),
                      logit_probe=FLAGS.logit_probe,
+                     # A commit point per chunk, so that faults find partial ones.
+                     prefill_args=("--commit_every=1", "--preempt_grace_s=0.5")
+                     if FLAGS.fault in ("kill_prefill", "preempt_prefill") else (),
                      flaky_wan=FLAGS.fault in ("drop_link", "stall_link"),
                      pd_nodes=FLAGS.pd_nodes, rebalance_apply=FLAGS.rebalance_apply,
                      checkpoint=FLAGS.checkpoint, dtype=FLAGS.dtype,
@@ -416,6 +433,9 @@ def main(argv):
         "prefix_transfer_bytes": int(rec.get("prefix_transfer_bytes", 0)),
         "prefix_transfer_s": float(rec.get("prefix_transfer_s", 0.0)),
         "prefix_transfer_error": rec.get("prefix_transfer_error", ""),
+        "commit_point": int(rec.get("commit_point", 0)),
+        "resumed_tokens": int(rec.get("resumed_tokens", 0)),
+        "recomputed_tokens": int(rec.get("recomputed_tokens", 0)),
         "temperature": r.temperature, "seed": r.seed, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
         "total_s": r.total_s, "link_bytes": int(s.get("link_bytes", 0)),
         "state_bytes": int(s.get("state_bytes", 0)),
@@ -515,7 +535,12 @@ def main(argv):
                 "probe_checked": int(decode_stats.get("handoff_probe_ok", 0)
                                      + decode_stats.get("handoff_probe_mismatch", 0)),
                 "wrong_answers_delivered": (sum(1 for r in ok if r["matches_reference"] is False)
-                                            if FLAGS.reference else None)},
+                                            if FLAGS.reference else None),
+                # Resume, do not recompute (serving/resume.py): requests resumed
+                # from a commit point and the prompt tokens that saved.
+                "resumed_requests": sum(1 for r in rows if r["resumed_tokens"] > 0),
+                "tokens_saved": sum(r["resumed_tokens"] for r in rows),
+                "tokens_recomputed_by_retries": sum(r["recomputed_tokens"] for r in rows)},
   }
   out = pathlib.Path(FLAGS.json_out)
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -569,6 +594,9 @@ def main(argv):
     f = report["fault"]
     for event in fault_log:
       print(f"fault            : {event}")
+    print(f"resume           : {f['resumed_requests']} requests resumed from a commit point, "
+          f"{f['tokens_saved']} prompt tokens not recomputed, "
+          f"{f['tokens_recomputed_by_retries']} recomputed by retries")
     print(f"fault outcome    : {f['reroutes']:.0f} reroutes ({f['fallback_pdp']:.0f} to PD-P), "
           f"{report['errors']} requests failed {f['error_codes']}, completed requests "
           f"match the reference: {json.dumps(f['completed_match_reference'])}")

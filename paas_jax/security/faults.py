@@ -250,9 +250,11 @@ class FaultPlan:
     layer_delay_s: sleep after handing each layer to the sender, so a
       transfer spans a known time (a slow prefill; room to cut the link
       mid-transfer).
-    kill_after_commits: exit the process once this many commit points of one
-      chunk-streamed transfer were acknowledged by the decode side (region A
-      dies after a commit point: the request resumes from it); 0: never.
+    kill_after_commits: exit the process once this many partial commit points
+      (short of the whole prompt) of one chunk-streamed transfer were
+      acknowledged by the decode side (region A dies after a commit point: the
+      request resumes from it); 0: never. With ``kill_on_transfer=0``: in
+      whichever transfer gets there first.
     corrupt_states: (decode side) damage this many received states after the
       transport verified them (``paas_jax.state.sensitivity.damage``): what a
       bug behind the checksums would do; the logit probe must catch each one.
@@ -320,8 +322,9 @@ class FaultPlan:
       os._exit(self.exit_code)  # pylint: disable=protected-access
 
   def on_commit(self, transfer_number: int, commit_points: int) -> None:
-    """Call when a commit point of a chunk-streamed transfer is acknowledged."""
-    if (self.kill_after_commits and transfer_number == self.kill_on_transfer
+    """Call when a partial commit point of a chunk-streamed transfer is
+    acknowledged (``commit_points``: how many so far in this transfer)."""
+    if (self.kill_after_commits and self.kill_on_transfer in (0, transfer_number)
         and commit_points >= self.kill_after_commits):
       log.error("fault: killing this process after commit point %d of transfer %d",
                 commit_points, transfer_number)

@@ -93,6 +93,14 @@ class PrefillBatcher:
       self._queue.append(job)
       self._cv.notify_all()
 
+  def drain(self) -> list[PrefillJob]:
+    """Takes every job still waiting for a batch out of the queue (the batch
+    running now goes on); the caller ends them (a preemption)."""
+    with self._cv:
+      pending = [j for j in self._queue if not j.cancelled]
+      self._queue.clear()
+    return pending
+
   def stop(self) -> None:
     with self._cv:
       self._stop = True

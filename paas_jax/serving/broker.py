@@ -14,6 +14,8 @@ Remote route, in order:
      to the decode server's StateTransfer port (over the WAN);
   3. on ``FirstToken``: ``Decode.Handoff(first_token)``; the decode server
      inserts the request once state and token are both there;
+     ``CommitPoint`` events tell how much of the prompt region B holds verified
+     (a failed attempt resumes from it: ``resume.py``);
   4. tokens flow back on the Decode stream; ``TransferDone`` gives link bytes/time.
 
   python -m paas_jax.serving.broker --port=50050 --prefill=127.0.0.1:50051 \
@@ -997,7 +999,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
           sent.update(nbytes=d.bytes_sent, duration_s=d.transfer_s)
     except grpc.RpcError as e:
       if (not rec.client_gone and done is rec.prefill_done and rec.phase not in (
-          RequestPhase.FINISHED, RequestPhase.FAILED, RequestPhase.REROUTED)):
+          RequestPhase.FINISHED, RequestPhase.FAILED, RequestPhase.REROUTED)
+          and not 0 < rec.prompt_tokens <= rec.commit_point):  # else the state is in B
         rec.prefill_error = (common.rpc_code(e), common.rpc_details(e))
         dcall.cancel()  # wakes the relay, which reports prefill_error
     finally:

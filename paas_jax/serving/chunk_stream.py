@@ -29,6 +29,7 @@ to build the segment's template before any byte arrives:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -96,14 +97,27 @@ def segment_template(config: ModelConfig, seg: SegmentId) -> DecodeState:
                      lengths=full.lengths)
 
 
+@functools.partial(jax.jit, static_argnames=("size",))
+def _take_tokens(x, row, start, size: int):
+  """x[row:row+1, start:start+size]; one compile per (shape, size), not per start."""
+  x = jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0)
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+
+@jax.jit
+def _take_row(x, row):
+  return jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0)
+
+
 def slice_chunk(cache: Any, row: int, start: int, end: int) -> Any:
   """Row ``row`` of a batched layer cache, tokens ``[start, end)`` for a growing
   cache (device op, no sync), the whole fixed-size state otherwise; starts the
   device-to-host copies."""
   if isinstance(cache, GROWING_CACHES):
-    out = jax.tree_util.tree_map(lambda x: x[row:row + 1, start:end], cache)
+    out = jax.tree_util.tree_map(lambda x: _take_tokens(x, row, start, size=end - start),
+                                 cache)
   else:
-    out = jax.tree_util.tree_map(lambda x: x[row:row + 1], cache)
+    out = jax.tree_util.tree_map(lambda x: _take_row(x, row), cache)
   for leaf in jax.tree_util.tree_leaves(out):
     copy = getattr(leaf, "copy_to_host_async", None)
     if copy is not None:

@@ -159,6 +159,8 @@ class ClusterSpec:
   # front of the decode server's StateTransfer port (cluster.wan) that tests
   # and the demo can cut. Not with netem="netns".
   prefill_faults: str = ""
+  # Extra prefill-server flags (e.g. "--commit_every=1", "--preempt_grace_s=0.5").
+  prefill_args: tuple[str, ...] = ()
   flaky_wan: bool = False
   # Fault injection in every decode server (FaultPlan syntax, e.g.
   # "corrupt_states=2": damage received states behind the transport's checks).
@@ -244,6 +246,7 @@ class LocalCluster:
                       *self._common_args("prefill")]
       if spec.prefill_faults:
         prefill_args.append(f"--faults={spec.prefill_faults}")
+      prefill_args += list(spec.prefill_args)
       decode_args = ["-m", "paas_jax.serving.decode_server",
                      *_server_args(spec, "127.0.0.1"), "--transfer_port=0",
                      f"--n_slots={spec.n_slots}", f"--page_size={spec.page_size}",

@@ -35,6 +35,7 @@ from paas_jax.serving import cli, common, handoff_probe
 from paas_jax.serving.prefix_transfer import PrefixExporter, PrefixImporter
 from paas_jax.serving.batching import PrefillBatcher, PrefillJob
 from paas_jax.serving.chunk_stream import ChunkStreamer, StreamResult
+from paas_jax.serving.resume_preempt import Preemption, PreemptedError
 from paas_jax.serving.engine import (EngineConfig, EngineError, InvalidRequestError,
                                      PrefillEngine, PrefillInput, RequestParams,
                                      check_request_identity, make_sampling, validate_request)
@@ -83,6 +84,9 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     self.commit_every = commit_every
     self.logit_probe = logit_probe
     self.probe_s_total = 0.0
+    # A preemption notice (SIGTERM with a grace period) hands in-flight
+    # requests to the broker's resume path (resume_preempt.py).
+    self.preemption = Preemption()
     self.link_counters = LinkCounters(link_label)
     self.codec = codec or CodecOptions()
     self.sender_options = sender_options or SenderOptions(num_streams=2,
@@ -203,8 +207,9 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     def on_commit(tokens):
       holder["commits"] = holder.get("commits", 0) + 1
       events.put(("commit", tokens, holder["commits"]))
-      if self.faults is not None:
-        self.faults.on_commit(holder["transfer_no"], holder["commits"])
+      if self.faults is not None and tokens < len(prompt):
+        holder["partial_commits"] = holder.get("partial_commits", 0) + 1
+        self.faults.on_commit(holder["transfer_no"], holder["partial_commits"])
 
     def on_done(out):
       events.put(("first", out))
@@ -264,6 +269,8 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
                                      f"{request.decode_target}: {e.message}"))
       elif isinstance(e, InvalidRequestError):
         events.put(("error", grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+      elif isinstance(e, PreemptedError):
+        events.put(("error", grpc.StatusCode.UNAVAILABLE, str(e)))
       else:
         events.put(("error", grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}"))
 
@@ -284,6 +291,34 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
           tx.abort("the broker cancelled the request")
         self.counters["cancelled"] += 1
     context.add_callback(on_rpc_done)
+
+    def hand_over() -> int:
+      """Preempted: end this request's stream at its commit point (the broker
+      resumes from it); returns the commit point."""
+      job.cancelled = True
+      tx = holder.get("tx")
+      point = tx.commit_point if isinstance(tx, ChunkStreamer) else 0
+      if isinstance(tx, ChunkStreamer):
+        tx.abort()
+      elif tx is not None:
+        tx.abort("prefill node preempted")
+      self.counters["preempted_handed_over"] += 1
+      events.put(("error", grpc.StatusCode.UNAVAILABLE,
+                  f"prefill node preempted; the decode side holds commit point {point} of "
+                  f"{len(prompt)} tokens"))
+      return point
+    try:
+      self.preemption.track(rid, hand_over)
+    except PreemptedError as e:
+      holder["finished"] = True
+      context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+    try:
+      yield from self._events(rid, events, holder, job, context, request)
+    finally:
+      self.preemption.done(rid)
+
+  def _events(self, rid, events, holder, job, context, request):
+    """Queues the job, then streams its events (``Prefill``)."""
     self.counters["requests"] += 1
     if self.batcher.queue_depth >= self.max_queue:
       self.counters["rejected_queue_full"] += 1
@@ -414,6 +449,15 @@ class PrefillServer:
       self.transfer.stop(0.5)
     self.servicer.stop()
 
+  def preempt_and_stop(self, grace_s: float) -> None:
+    """A preemption notice: NOT_SERVING, hand in-flight requests to resume
+    within ``grace_s`` (``resume_preempt``), then stop."""
+    self.control.set_serving([SERVICE], False)
+    if grace_s > 0:
+      report = self.servicer.preemption.run(grace_s, self.servicer.batcher.drain)
+      log.warning("preemption: %s", report)
+    self.stop()
+
 
 def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
           batch_window_s: float = 0.005, codec=None, sender_options=None,
@@ -505,7 +549,7 @@ def main(argv):
       "metrics_port": metrics_port,
       "startup_s": time.time() - t0})
   log.info("prefill server on %s, model %s", server.address, model.config.name)
-  common.wait_for_termination(server.stop)
+  common.wait_for_termination(lambda: server.preempt_and_stop(FLAGS.preempt_grace_s))
 
 
 if __name__ == "__main__":
@@ -525,4 +569,7 @@ if __name__ == "__main__":
                     "as it is computed (commit points, resume); false: one transfer per "
                     "prompt, layers of the last chunk pipelined.")
   flags.DEFINE_integer("commit_every", 2, "Chunks per commit point (stream_chunks).")
+  flags.DEFINE_float("preempt_grace_s", 5.0, "On SIGTERM (a preemption notice): stop taking "
+                     "work and let running prefills commit for up to this long, then hand "
+                     "the rest to the broker's resume path (0: stop at once).")
   app.run(main)

@@ -627,6 +627,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       downstream_id = rec.downstream_id if attempt == 0 else f"{rec.downstream_id}~{attempt}"
       att = rec.lifecycle.begin_attempt(route, downstream_id)
       rec.prefill_error = None
+      rec.commit_point = 0  # this attempt's (a resume reads the failed attempt's)
       rec.prefill_done = threading.Event()
       pi = None
       if route == PRFAAS:

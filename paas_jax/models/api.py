@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import weakref
 from typing import Iterator, Sequence
 
 import jax
@@ -77,17 +78,74 @@ class Model:
   def n_params(self) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(self.params)))
 
+  @functools.cached_property
+  def static_graph(self) -> "HashedGraphDef":
+    """The graph definition as a cheap static jit argument (see ``HashedGraphDef``)."""
+    return HashedGraphDef(self.graphdef)
+
+
+class HashedGraphDef:
+  """A ``GraphDef`` whose hash is computed once.
+
+  ``jax.jit`` hashes its static arguments on every call; hashing a whole
+  model's ``GraphDef`` took ~5 ms per call on these cores, more than a tiny
+  model's decode step. Equal graph definitions still compare equal, so
+  models with the same structure share compiled programs.
+  """
+
+  __slots__ = ("graphdef", "_hash")
+
+  def __init__(self, graphdef: nnx.GraphDef):
+    self.graphdef = graphdef
+    self._hash = hash(graphdef)
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other) -> bool:
+    return self is other or (isinstance(other, HashedGraphDef) and self._hash == other._hash
+                             and self.graphdef == other.graphdef)
+
+
+def _graphdef(graph) -> nnx.GraphDef:
+  return graph.graphdef if isinstance(graph, HashedGraphDef) else graph
+
 
 # -- jitted cores ---------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnums=0)
 def _prefill_core(graphdef, params, tokens, state, n_valid):
-  return nnx.merge(graphdef, params).prefill(tokens, state, n_valid)
+  return nnx.merge(_graphdef(graphdef), params).prefill(tokens, state, n_valid)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _step_core(graphdef, params, tokens, state):
-  return nnx.merge(graphdef, params).step(tokens, state)
+def _step(graphdef, params, tokens, state):
+  return nnx.merge(_graphdef(graphdef), params).step(tokens, state)
+
+
+_step_core = jax.jit(_step, static_argnums=0)
+# The hot-loop form: the state's buffers are donated to the new state.
+_step_core_donating = jax.jit(_step, static_argnums=0, donate_argnums=3)
+
+# Host-side upper bound of max(state.lengths) per lengths array (by id; the
+# entry dies with the array), so that decode steps need not read the lengths
+# back from the device to check the cache capacity.
+_MAX_LENGTH_HINTS: dict[int, int] = {}
+
+
+def _remember_max_length(lengths: jax.Array, value: int) -> None:
+  key = id(lengths)
+  if key not in _MAX_LENGTH_HINTS:
+    weakref.finalize(lengths, _MAX_LENGTH_HINTS.pop, key, None)
+  _MAX_LENGTH_HINTS[key] = value
+
+
+def _max_length(state: DecodeState) -> int:
+  """max(state.lengths), from the hint when there is one (no device sync)."""
+  hint = _MAX_LENGTH_HINTS.get(id(state.lengths))
+  if hint is None:
+    hint = int(jnp.max(state.lengths))
+    _remember_max_length(state.lengths, hint)
+  return hint
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -159,7 +217,7 @@ def _prepare_prefill(model: Model, tokens, state: DecodeState | None, lengths):
   else:
     if state.batch_size != batch:
       raise ValueError(f"state has batch {state.batch_size}, tokens have batch {batch}")
-    start = int(jnp.max(state.lengths))
+    start = _max_length(state)
   n_valid = (jnp.full((batch,), seq, jnp.int32) if lengths is None
              else jnp.asarray(lengths, jnp.int32))
   if n_valid.shape != (batch,):
@@ -187,17 +245,32 @@ def prefill(model: Model, tokens, state: DecodeState | None = None, *,
   Returns:
     (logits f32 [batch, seq, vocab], the advanced state).
   """
+  fresh = state is None
+  start = 0 if fresh else _max_length(state)
   tokens, state, n_valid, seq = _prepare_prefill(model, tokens, state, lengths)
-  logits, state = _prefill_core(model.graphdef, model.params, tokens, state, n_valid)
+  logits, state = _prefill_core(model.static_graph, model.params, tokens, state, n_valid)
+  if lengths is None:  # every row advanced by seq
+    _remember_max_length(state.lengths, start + seq)
+  elif fresh:
+    _remember_max_length(state.lengths, int(np.max(np.asarray(lengths))))
   return logits[:, :seq], state
 
 
-def decode_step(model: Model, state: DecodeState, tokens) -> tuple[jax.Array, DecodeState]:
+def decode_step(model: Model, state: DecodeState, tokens, *, donate: bool = False
+                ) -> tuple[jax.Array, DecodeState]:
   """One decode step for a batch of requests of possibly different lengths.
+
+  No host sync: the capacity check uses a host-side bound of the lengths
+  that ``prefill`` and ``decode_step`` keep for the states they return (a
+  state from elsewhere costs one read-back on its first step).
 
   Args:
     state: the requests' state (``lengths`` may differ per row).
     tokens: int [batch], the last sampled token of each request.
+    donate: hand the state's buffers to the new state (no copy of the
+      caches); ``state`` must not be used afterwards. Off by default because
+      callers keep states (prefix caches, retries); hot loops that own their
+      state (``generate``, benchmarks) turn it on.
 
   Returns:
     (logits f32 [batch, vocab], state advanced by one token per request).
@@ -207,6 +280,21 @@ def decode_step(model: Model, state: DecodeState, tokens) -> tuple[jax.Array, De
   if tokens.shape != (state.batch_size,):
     raise ValueError(f"decode_step takes one token per request: expected shape "
                      f"[{state.batch_size}], got {tokens.shape}")
+  start = _max_length(state)
+  state = _ensure_capacity(state, start + 1, model.config)
+  step = _step_core_donating if donate else _step_core
+  logits, state = step(model.static_graph, model.params, tokens, state)
+  _remember_max_length(state.lengths, start + 1)
+  return logits, state
+
+
+def decode_step_host_synced(model: Model, state: DecodeState, tokens
+                            ) -> tuple[jax.Array, DecodeState]:
+  """``decode_step`` as it was before issue #17, kept as the benchmark baseline:
+  reads ``max(lengths)`` back from the device every step, hashes the whole
+  graph definition as a jit static argument and copies the state."""
+  tokens = _as_token_batch(tokens, model.config)[0] if not isinstance(
+      tokens, jax.Array) else tokens.astype(jnp.int32)
   state = _ensure_capacity(state, int(jnp.max(state.lengths)) + 1, model.config)
   return _step_core(model.graphdef, model.params, tokens, state)
 
@@ -368,7 +456,7 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, *,
   t1 = time.perf_counter()
   reason = "stop_token" if out[0] in stops else "max_tokens"
   while reason == "max_tokens" and len(out) < max_new_tokens:
-    logits, state = decode_step(model, state, token)
+    logits, state = decode_step(model, state, token, donate=True)
     token = sample(logits, sampling, seed, [len(prompt) + len(out)])
     out.append(int(token[0]))
     if out[-1] in stops:

@@ -191,17 +191,56 @@ def decayed_gram(a, b, gcum, *, inclusive):
   return m[..., :c, :c]
 
 
+def _forward_substitution(a):
+  """(I + a)^{-1} for strictly lower-triangular a [..., n, n], one row per
+  iteration of a rolled loop: row i = e_i - a[i, :] @ T, where the rows of T
+  from i on still hold the identity and a[i, j >= i] is masked to zero."""
+  n = a.shape[-1]
+  eye = jnp.eye(n, dtype=a.dtype)
+  cols = jnp.arange(n)
+
+  def row(i, t):
+    a_i = jnp.where(cols < i, jax.lax.dynamic_slice_in_dim(a, i, 1, axis=-2), 0.0)
+    t_i = (jax.lax.dynamic_slice_in_dim(eye, i, 1, axis=0)
+           - jnp.einsum("...ij,...jn->...in", a_i, t, precision=HIGHEST))
+    return jax.lax.dynamic_update_slice_in_dim(t, t_i, i, axis=-2)
+
+  return jax.lax.fori_loop(1, n, row, jnp.broadcast_to(eye, a.shape))
+
+
 def unit_lower_inverse(a):
   """(I + a)^{-1} for strictly lower-triangular a [..., n, n] (the UT transform).
 
-  Block recursion: inv([[A, 0], [B, D]]) = [[A', 0], [-D' B A', D']], down to
-  blocks of <= 16 rows solved by forward substitution. This is a stable
-  triangular solve built from batched matmuls; XLA:CPU's batched
-  ``triangular_solve`` made the whole prepare step ~100x slower on 64 x 64
-  chunks (650 ms vs 7 ms for 512 tokens x 4 heads), and the
-  nilpotent power series (I - a)(I + a^2)... would form a^(2^k), whose
-  entries grow combinatorially when keys are correlated.
+  Block recursion: inv([[A, 0], [B, D]]) = [[A', 0], [-D' B A', D']], the two
+  diagonal blocks inverted together (stacked on a new leading axis), down to
+  blocks of <= 16 rows solved by forward substitution in a rolled loop. The
+  traced program is O(log n) matmuls and one small loop, so it compiles in a
+  fraction of the unrolled form's time (``unit_lower_inverse_unrolled``, kept
+  as the exactness baseline), which traced one einsum per row and per leaf.
+  Built from batched matmuls: XLA:CPU's batched ``triangular_solve`` made the
+  whole prepare step ~100x slower on 64 x 64 chunks (650 ms vs 7 ms for 512
+  tokens x 4 heads), and the nilpotent power series (I - a)(I + a^2)... would
+  form a^(2^k), whose entries grow combinatorially when keys are correlated.
   """
+  n = a.shape[-1]
+  if n <= 16:
+    return _forward_substitution(a)
+  h = n // 2
+  if n % 2:
+    t11 = unit_lower_inverse(a[..., :h, :h])
+    t22 = unit_lower_inverse(a[..., h:, h:])
+  else:
+    both = unit_lower_inverse(jnp.stack([a[..., :h, :h], a[..., h:, h:]]))
+    t11, t22 = both[0], both[1]
+  t21 = -jnp.einsum("...ij,...jk,...kl->...il", t22, a[..., h:, :h], t11, precision=HIGHEST)
+  top = jnp.concatenate([t11, jnp.zeros(t11.shape[:-1] + (n - h,), a.dtype)], axis=-1)
+  return jnp.concatenate([top, jnp.concatenate([t21, t22], axis=-1)], axis=-2)
+
+
+def unit_lower_inverse_unrolled(a):
+  """The pre-#17 form of ``unit_lower_inverse``: the same block recursion with
+  each half traced separately and the <= 16-row leaves unrolled row by row.
+  Kept as the exactness and compile-time baseline."""
   n = a.shape[-1]
   if n <= 16:
     eye = jnp.eye(n, dtype=a.dtype)
@@ -211,11 +250,24 @@ def unit_lower_inverse(a):
       rows.append(eye[i] - jnp.einsum("...j,...jn->...n", a[..., i, :i], prev, precision=HIGHEST))
     return jnp.stack(rows, axis=-2)
   h = n // 2
-  t11 = unit_lower_inverse(a[..., :h, :h])
-  t22 = unit_lower_inverse(a[..., h:, h:])
+  t11 = unit_lower_inverse_unrolled(a[..., :h, :h])
+  t22 = unit_lower_inverse_unrolled(a[..., h:, h:])
   t21 = -jnp.einsum("...ij,...jk,...kl->...il", t22, a[..., h:, :h], t11, precision=HIGHEST)
   top = jnp.concatenate([t11, jnp.zeros(t11.shape[:-1] + (n - h,), a.dtype)], axis=-1)
   return jnp.concatenate([top, jnp.concatenate([t21, t22], axis=-1)], axis=-2)
+
+
+# Which inverse ``chunk_prepare`` traces: benchmarks set "unrolled" to measure
+# the old form's compile time (read at trace time; clear jit caches after a change).
+INVERSES = {"blocked": unit_lower_inverse, "unrolled": unit_lower_inverse_unrolled}
+_inverse = {"name": "blocked"}
+
+
+def set_chunk_inverse(name: str) -> None:
+  """Selects the UT-transform inverse for later traces (``INVERSES`` keys)."""
+  if name not in INVERSES:
+    raise ValueError(f"chunk inverse must be one of {sorted(INVERSES)}, got {name!r}")
+  _inverse["name"] = name
 
 
 def chunk_prepare(q, k, v, g, beta, *, chunk_size, scale):
@@ -255,7 +307,8 @@ def chunk_prepare(q, k, v, g, beta, *, chunk_size, scale):
   a_mat = beta[..., None] * decayed_gram(k, k, gcum, inclusive=False)
   # T diag(beta) [V, K_dec], T = (I + A)^{-1}.
   rhs = beta[..., None] * jnp.concatenate([v, k * jnp.exp(gc)], axis=-1)
-  sol = jnp.einsum("...ij,...jd->...id", unit_lower_inverse(a_mat), rhs, precision=HIGHEST)
+  inverse = INVERSES[_inverse["name"]]
+  sol = jnp.einsum("...ij,...jd->...id", inverse(a_mat), rhs, precision=HIGHEST)
   return dict(
       w_v=sol[..., :dv], w_k=sol[..., dv:], q_dec=q * jnp.exp(gc),
       p=decayed_gram(q, k, gcum, inclusive=True),

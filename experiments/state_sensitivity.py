@@ -89,7 +89,7 @@ def main(argv):
       print(f"{name} {label}: first==last {r['first_equals_last']}/{r['prompts']}, "
             f"wrong-state same {r['wrong_state_same']}, zero-state same "
             f"{r['zero_state_same']}; missed {({k: v for k, v in missed.items() if v})}")
-  write_json(FLAGS.json_out, report)
+    write_json(FLAGS.json_out, report)  # after every config: a long sweep keeps its part
 
 
 if __name__ == "__main__":

@@ -14,13 +14,43 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from pallas_kernels.flash_attention.ops import flash_attention
 from pallas_kernels.paged_attention.ops import paged_attention, paged_mla_attention
 from paas_jax.models.config import ModelConfig
 from paas_jax.models.layers import apply_rope, dense, make_norm
-from paas_jax.state import AttentionCache, MLACache, SlidingWindowCache
+
+
+# -- caches (one per attention kind; the decode state holds one per layer) ----------
+
+@struct.dataclass
+class AttentionCache:
+  """Full-attention KV. ``k``: [batch, capacity, kv_heads, head_dim]; ``v`` likewise.
+
+  Position ``p`` of a request lives at index ``p``.
+  """
+
+  k: jax.Array
+  v: jax.Array
+
+
+@struct.dataclass
+class SlidingWindowCache:
+  """Ring buffer of the last ``window`` positions: ``k``, ``v``
+  [batch, window, kv_heads, head_dim]; position ``p`` lives at ``p % window``."""
+
+  k: jax.Array
+  v: jax.Array
+
+
+@struct.dataclass
+class MLACache:
+  """MLA cache: ``latent`` [batch, capacity, kv_lora_rank] (normalised KV latent)
+  and ``k_rope`` [batch, capacity, qk_rope_head_dim] (rotated, shared by heads)."""
+
+  latent: jax.Array
+  k_rope: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ them out while they hold their defaults, so existing fingerprints are unchanged.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 from typing import ClassVar, Literal
@@ -31,9 +32,32 @@ from typing import ClassVar, Literal
 import ml_dtypes  # noqa: F401  pylint: disable=unused-import
 import numpy as np
 
-LAYER_KINDS = ("A", "M", "S", "G", "m")
-ATTENTION_KINDS = ("A", "S")
-RECURRENT_KINDS = ("G", "m")
+
+
+class LayerKind(str, enum.Enum):
+  """The layer kinds; the values are the letters of ``layer_pattern`` (user syntax).
+
+  What a kind is (parameters, cache, prefill and paged decode, prefix-cache rule)
+  is its module under ``paas_jax/models/kinds/``; adding a kind is a member here
+  (letter and the sub-config it reads) plus that module and its registry line.
+  """
+
+  ATTENTION = "A"
+  MLA = "M"
+  SLIDING = "S"
+  GATED_DELTA = "G"
+  MAMBA2 = "m"
+
+  @property
+  def config_field(self) -> str:
+    """The ``ModelConfig`` sub-config this kind's layers read."""
+    return _CONFIG_FIELD[self]
+
+
+_CONFIG_FIELD = {LayerKind.ATTENTION: "attention", LayerKind.MLA: "mla",
+                 LayerKind.SLIDING: "attention", LayerKind.GATED_DELTA: "gated_delta",
+                 LayerKind.MAMBA2: "mamba2"}
+LAYER_KINDS = tuple(k.value for k in LayerKind)
 FFN_KINDS = ("d", "e", "-")  # dense MLP, mixture of experts, none
 FFN_ACTIVATIONS = ("swiglu", "relu2")
 
@@ -358,8 +382,11 @@ class ModelConfig:
         _fail(f"ModelConfig.{dt_field}", f"unknown dtype {getattr(self, dt_field)!r}")
 
     kinds = set(self.layer_kinds)
-    needs = {"attention": kinds & {"A", "S"}, "mla": kinds & {"M"},
-             "gated_delta": kinds & {"G"}, "mamba2": kinds & {"m"}}
+    needs: dict[str, set[str]] = {}
+    for kind in LayerKind:
+      needs.setdefault(kind.config_field, set())
+      if kind.value in kinds:
+        needs[kind.config_field].add(kind.value)
     for field, used_by in needs.items():
       if used_by and getattr(self, field) is None:
         _fail(f"ModelConfig.{field}",

@@ -6,25 +6,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from paas_jax.models.attention import Attention, Chunk, MLAttention
+from paas_jax.models.attention import Chunk
 from paas_jax.models.config import ModelConfig
+from paas_jax.models.kinds import kind_spec
 from paas_jax.models.layers import MLP, MoE, make_norm
-from paas_jax.models.recurrent import GatedDeltaNet, Mamba2
 from paas_jax.state import DecodeState
 
 
 def make_mixer(kind: str, config: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-  if kind == "A":
-    return Attention(config, rngs)
-  if kind == "S":
-    return Attention(config, rngs, window=config.attention.window)
-  if kind == "M":
-    return MLAttention(config, rngs)
-  if kind == "G":
-    return GatedDeltaNet(config, rngs)
-  if kind == "m":
-    return Mamba2(config, rngs)
-  raise ValueError(f"ModelConfig.layer_pattern: unknown layer kind {kind!r}")
+  """The mixer of a ``layer_pattern`` letter (its kind's module builds it)."""
+  return kind_spec(kind).make_mixer(config, rngs)
 
 
 def make_ffn(ffn_kind: str, config: ModelConfig, rngs: nnx.Rngs) -> nnx.Module | None:

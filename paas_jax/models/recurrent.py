@@ -11,14 +11,33 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from pallas_kernels.gated_delta.ops import chunk_gated_delta, gated_delta_step
 from pallas_kernels.ssd.ops import ssd, ssd_step
 from paas_jax.models.attention import Chunk
 from paas_jax.models.config import ModelConfig
 from paas_jax.models.layers import CausalConv1d, GatedRMSNorm, dense, rms_normalize
-from paas_jax.state import GatedDeltaCache, Mamba2Cache
+
+
+# -- caches (fixed-size recurrent state; f32 whatever the activation dtype) ---------
+
+@struct.dataclass
+class GatedDeltaCache:
+  """``conv`` [batch, conv_kernel - 1, conv_channels] (last inputs of the short
+  convolution) and ``recurrent`` [batch, v_heads, head_k_dim, head_v_dim] f32."""
+
+  conv: jax.Array
+  recurrent: jax.Array
+
+
+@struct.dataclass
+class Mamba2Cache:
+  """``conv`` [batch, conv_kernel - 1, conv_channels] and ``ssm``
+  [batch, heads, head_dim, d_state] f32."""
+
+  conv: jax.Array
+  ssm: jax.Array
 
 
 def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:

@@ -37,6 +37,7 @@ from flax import nnx, struct
 
 from paas_jax.models import api
 from paas_jax.models.config import ModelConfig
+from paas_jax.models.kinds import PagedKV, PagedLatent, kind_spec
 # Request validation lives in the JAX-free ``validation`` module (the broker uses it);
 # re-exported here because the engine raises these errors and takes these params.
 from paas_jax.serving.validation import (MAX_REQUEST_ID_CHARS, MAX_SEED, EngineError,  # noqa: F401
@@ -554,22 +555,6 @@ def _select_row(state: DecodeState, row: int, capacity: int) -> DecodeState:
 # -- the decode pool --------------------------------------------------------------
 
 @struct.dataclass
-class PagedKV:
-  """Full-attention KV of all slots in shared pages ``[num_pages, page_size, kv_heads, dim]``."""
-
-  k_pages: jax.Array
-  v_pages: jax.Array
-
-
-@struct.dataclass
-class PagedLatent:
-  """MLA cache in shared pages: ``latent_pages [P, ps, r]``, ``rope_pages [P, ps, dr]``."""
-
-  latent_pages: jax.Array
-  rope_pages: jax.Array
-
-
-@struct.dataclass
 class SlotPool:
   """The decode engine's whole device state (JetStream's ``decode_state``).
 
@@ -715,18 +700,11 @@ def init_pool(config: ModelConfig, n_slots: int, num_pages: int, page_size: int,
   """An empty pool: zero pages, zero slot states, all slots inactive."""
   dense = init_state(config, n_slots, 0)
   layers = []
-  act = config.compute_dtype
   for kind, cache in zip(config.layer_kinds, dense.layers):
-    if kind == "A":
-      a = config.attention
-      shape = (num_pages, page_size, a.n_kv_heads, config.attention_head_dim)
-      layers.append(PagedKV(jnp.zeros(shape, act), jnp.zeros(shape, act)))
-    elif kind == "M":
-      m = config.mla
-      layers.append(PagedLatent(jnp.zeros((num_pages, page_size, m.kv_lora_rank), act),
-                                jnp.zeros((num_pages, page_size, m.qk_rope_head_dim), act)))
-    else:
-      layers.append(cache)
+    paged = kind_spec(kind).paged
+    layers.append(cache if paged is None else paged.pool_type(**{
+        name: jnp.zeros(shape, dtype)
+        for name, (shape, dtype) in paged.pool_shapes(config, num_pages, page_size).items()}))
   return SlotPool(
       layers=tuple(layers), lengths=jnp.zeros((n_slots,), jnp.int32),
       page_table=jnp.zeros((n_slots, max_pages), jnp.int32),
@@ -752,7 +730,7 @@ class DecodeEngine:
     self.max_ctx = self.max_pages * config.page_size
     self.num_pages = config.num_pages or config.n_slots * self.max_pages
     self.n_slots = config.n_slots
-    self.has_pages = any(k in ("A", "M") for k in mc.layer_kinds)
+    self.has_pages = any(kind_spec(k).paged is not None for k in mc.layer_kinds)
     self.pool = init_pool(mc, self.n_slots, self.num_pages, self.page_size, self.max_pages)
     self.allocator = PageAllocator(self.num_pages)
     self._slot_pages: dict[int, list[int]] = {}

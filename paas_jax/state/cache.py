@@ -17,7 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from paas_jax.models.attention import AttentionCache, MLACache, SlidingWindowCache
 from paas_jax.models.config import ModelConfig
+from paas_jax.models.kinds import GROWING_CACHES, kind_spec
+from paas_jax.models.recurrent import GatedDeltaCache, Mamba2Cache
 
 # Capacity of attention caches grows in multiples of this many positions so
 # that continuing prefill or decode recompiles once per block, not per token.
@@ -28,56 +31,8 @@ def round_up(n: int, multiple: int = CAPACITY_ALIGN) -> int:
   return max(multiple, -(-n // multiple) * multiple)
 
 
-@struct.dataclass
-class AttentionCache:
-  """Full-attention KV. ``k``: [batch, capacity, kv_heads, head_dim]; ``v`` likewise.
-
-  Position ``p`` of a request lives at index ``p``.
-  """
-
-  k: jax.Array
-  v: jax.Array
-
-
-@struct.dataclass
-class MLACache:
-  """MLA cache: ``latent`` [batch, capacity, kv_lora_rank] (normalised KV latent)
-  and ``k_rope`` [batch, capacity, qk_rope_head_dim] (rotated, shared by heads)."""
-
-  latent: jax.Array
-  k_rope: jax.Array
-
-
-@struct.dataclass
-class SlidingWindowCache:
-  """Ring buffer of the last ``window`` positions: ``k``, ``v``
-  [batch, window, kv_heads, head_dim]; position ``p`` lives at ``p % window``."""
-
-  k: jax.Array
-  v: jax.Array
-
-
-@struct.dataclass
-class GatedDeltaCache:
-  """``conv`` [batch, conv_kernel - 1, conv_channels] (last inputs of the short
-  convolution) and ``recurrent`` [batch, v_heads, head_k_dim, head_v_dim] f32."""
-
-  conv: jax.Array
-  recurrent: jax.Array
-
-
-@struct.dataclass
-class Mamba2Cache:
-  """``conv`` [batch, conv_kernel - 1, conv_channels] and ``ssm``
-  [batch, heads, head_dim, d_state] f32."""
-
-  conv: jax.Array
-  ssm: jax.Array
-
-
 LayerCache = Union[AttentionCache, MLACache, SlidingWindowCache, GatedDeltaCache,
                    Mamba2Cache]
-GROWING_CACHES = (AttentionCache, MLACache)
 
 
 @struct.dataclass
@@ -100,10 +55,8 @@ class DecodeState:
   def capacity(self) -> int | None:
     """Token capacity of the growing (attention) caches; None if there are none."""
     for cache in self.layers:
-      if isinstance(cache, AttentionCache):
-        return int(cache.k.shape[1])
-      if isinstance(cache, MLACache):
-        return int(cache.latent.shape[1])
+      if isinstance(cache, GROWING_CACHES):
+        return int(jax.tree_util.tree_leaves(cache)[0].shape[1])  # [batch, capacity, ...]
     return None
 
   @property
@@ -144,43 +97,14 @@ class DecodeState:
     return jax.tree_util.tree_map(lambda x: x[index:index + 1], self)
 
 
-def _layer_shapes(config: ModelConfig, kind: str, batch: int, capacity: int
-                  ) -> tuple[type, dict[str, tuple[tuple[int, ...], jnp.dtype]]]:
-  """Shapes and dtypes of one layer's cache arrays."""
-  act = config.compute_dtype
-  f32 = jnp.dtype(jnp.float32)
-  if kind in ("A", "S"):
-    a = config.attention
-    length = capacity if kind == "A" else a.window
-    shape = (batch, length, a.n_kv_heads, config.attention_head_dim)
-    cls = AttentionCache if kind == "A" else SlidingWindowCache
-    return cls, {"k": (shape, act), "v": (shape, act)}
-  if kind == "M":
-    m = config.mla
-    return MLACache, {"latent": ((batch, capacity, m.kv_lora_rank), act),
-                      "k_rope": ((batch, capacity, m.qk_rope_head_dim), act)}
-  if kind == "G":
-    g = config.gated_delta
-    channels = 2 * g.n_k_heads * g.head_k_dim + g.n_v_heads * g.head_v_dim
-    return GatedDeltaCache, {
-        "conv": ((batch, g.conv_kernel - 1, channels), act),
-        "recurrent": ((batch, g.n_v_heads, g.head_k_dim, g.head_v_dim), f32)}
-  if kind == "m":
-    s = config.mamba2
-    channels = s.n_heads * s.head_dim + 2 * s.n_groups * s.d_state
-    return Mamba2Cache, {
-        "conv": ((batch, s.conv_kernel - 1, channels), act),
-        "ssm": ((batch, s.n_heads, s.head_dim, s.d_state), f32)}
-  raise ValueError(f"unknown layer kind {kind!r}")
-
-
 def init_state(config: ModelConfig, batch: int = 1, capacity: int = 0) -> DecodeState:
   """An empty state for ``batch`` requests with room for ``capacity`` tokens."""
   layers = []
   for kind in config.layer_kinds:
-    cls, shapes = _layer_shapes(config, kind, batch, capacity)
-    layers.append(cls(**{name: jnp.zeros(shape, dtype)
-                         for name, (shape, dtype) in shapes.items()}))
+    spec = kind_spec(kind)
+    layers.append(spec.cache_type(**{
+        name: jnp.zeros(shape, dtype)
+        for name, (shape, dtype) in spec.cache_shapes(config, batch, capacity).items()}))
   return DecodeState(layers=tuple(layers), lengths=jnp.zeros((batch,), jnp.int32))
 
 
@@ -207,30 +131,13 @@ def state_bytes(config: ModelConfig, seq_len: int) -> StateBytes:
 
   The fixed part holds recurrent states, conv tails, sliding-window ring buffers
   and the 4-byte length; the per-token part is the full-attention KV (or MLA
-  latent) of one position summed over layers. Written independently of
-  ``init_state`` so that tests can hold the two against each other.
+  latent) of one position summed over layers. Each kind's ``state_bytes`` is
+  written independently of its ``cache_shapes`` (``init_state``) so that tests
+  can hold the two against each other.
   """
-  act = config.compute_dtype.itemsize
-  f32 = 4
   fixed, per_token = 4, 0  # lengths: int32[1]
   for kind in config.layer_kinds:
-    if kind in ("A", "S"):
-      a = config.attention
-      kv_per_position = 2 * a.n_kv_heads * config.attention_head_dim * act
-      if kind == "A":
-        per_token += kv_per_position
-      else:
-        fixed += a.window * kv_per_position
-    elif kind == "M":
-      per_token += (config.mla.kv_lora_rank + config.mla.qk_rope_head_dim) * act
-    elif kind == "G":
-      g = config.gated_delta
-      conv_channels = 2 * g.n_k_heads * g.head_k_dim + g.n_v_heads * g.head_v_dim
-      fixed += (g.conv_kernel - 1) * conv_channels * act
-      fixed += g.n_v_heads * g.head_k_dim * g.head_v_dim * f32
-    elif kind == "m":
-      s = config.mamba2
-      conv_channels = s.n_heads * s.head_dim + 2 * s.n_groups * s.d_state
-      fixed += (s.conv_kernel - 1) * conv_channels * act
-      fixed += s.n_heads * s.head_dim * s.d_state * f32
+    kind_fixed, kind_per_token = kind_spec(kind).state_bytes(config)
+    fixed += kind_fixed
+    per_token += kind_per_token
   return StateBytes(fixed=fixed, per_token=per_token, seq_len=seq_len)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paas_jax.models.config import ModelConfig
+from paas_jax.models.kinds import PrefixRule, kind_spec
 from paas_jax.state.cache import DecodeState, init_state
 
 
@@ -110,7 +111,9 @@ class HybridPrefixCache:
     self._checkpoints: collections.OrderedDict[bytes, _Checkpoint] = collections.OrderedDict()
     self._nbytes = 0
     self._hits = self._misses = self._hit_tokens = 0
-    self._growing = tuple(k in ("A", "M") for k in config.layer_kinds)
+    # Per layer: reused block by block (KV of positions) or only as an exact checkpoint.
+    self._growing = tuple(kind_spec(k).prefix_rule is PrefixRule.BLOCK_KV
+                          for k in config.layer_kinds)
     self._fingerprint = config.fingerprint()
 
   # -- keys ------------------------------------------------------------------------

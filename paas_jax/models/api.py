@@ -107,7 +107,8 @@ class HashedGraphDef:
                              and self.graphdef == other.graphdef)
 
 
-def _graphdef(graph) -> nnx.GraphDef:
+def graphdef_of(graph: "HashedGraphDef | nnx.GraphDef") -> nnx.GraphDef:
+  """The ``GraphDef`` of a jit static graph argument (hashed or plain)."""
   return graph.graphdef if isinstance(graph, HashedGraphDef) else graph
 
 
@@ -115,11 +116,11 @@ def _graphdef(graph) -> nnx.GraphDef:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _prefill_core(graphdef, params, tokens, state, n_valid):
-  return nnx.merge(_graphdef(graphdef), params).prefill(tokens, state, n_valid)
+  return nnx.merge(graphdef_of(graphdef), params).prefill(tokens, state, n_valid)
 
 
 def _step(graphdef, params, tokens, state):
-  return nnx.merge(_graphdef(graphdef), params).step(tokens, state)
+  return nnx.merge(graphdef_of(graphdef), params).step(tokens, state)
 
 
 _step_core = jax.jit(_step, static_argnums=0)

@@ -613,8 +613,8 @@ def _keep_active(active, new, old):
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _generate_core(graphdef, params, pool: SlotPool):
-  model = nnx.merge(graphdef, params)
+def _generate_core(graph, params, pool: SlotPool):
+  model = nnx.merge(api.graphdef_of(graph), params)
   lengths, active = pool.lengths, pool.active
   x = model.embed(pool.tokens)
   layers = []
@@ -647,11 +647,15 @@ def _generate_core(graphdef, params, pool: SlotPool):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _insert_core(pool: SlotPool, prefix_layers: tuple, length, slot, page_row, token, seed,
-                 temperature, top_k, top_p):
-  """Writes one request (batch-1 caches padded to the pool's max context) into ``slot``.
+def _insert_core(pool: SlotPool, prefix_layers: tuple, length, slot, page_row, write_row, token,
+                 seed, temperature, top_k, top_p):
+  """Writes one request into ``slot``.
 
-  ``page_row`` [max_pages]: the slot's pages, ``num_pages`` (dropped) past them.
+  ``page_row`` [max_pages]: the slot's pages, ``num_pages`` past them (the
+  page table row). ``write_row`` [n_write]: the pages written, the slot's
+  pages then ``num_pages`` (dropped); growing caches arrive as
+  [1, n_write * page_size, ...], so the work follows the request's pages,
+  not the pool's max context.
   """
   layers = []
   for cache, src in zip(pool.layers, prefix_layers):
@@ -659,8 +663,8 @@ def _insert_core(pool: SlotPool, prefix_layers: tuple, length, slot, page_row, t
       ps = jax.tree_util.tree_leaves(cache)[0].shape[1]
 
       def put(pages, x):
-        x = x[0].reshape((page_row.shape[0], ps) + x.shape[2:])
-        return pages.at[page_row].set(x.astype(pages.dtype), mode="drop")
+        x = x[0].reshape((write_row.shape[0], ps) + x.shape[2:])
+        return pages.at[write_row].set(x.astype(pages.dtype), mode="drop")
       dst_leaves, treedef = jax.tree_util.tree_flatten(cache)
       src_leaves = jax.tree_util.tree_leaves(src)
       layers.append(jax.tree_util.tree_unflatten(
@@ -785,29 +789,35 @@ class DecodeEngine:
                         f"the state has {length}")
     row = np.full((self.max_pages,), self.num_pages, np.int32)
     row[:len(pages)] = pages
-    src = tuple(self._pad_layer(c) for c in prefix.layers)
+    # Only the slot's own pages are written, their count bucketed to a power
+    # of two (a handful of insert compiles), so the cost follows the request.
+    n_write = min(self.max_pages, 1 << max(len(pages) - 1, 0).bit_length())
+    write_row = row[:n_write]
+    src = tuple(self._pad_layer(c, n_write * self.page_size) for c in prefix.layers)
     s = params.sampling
     self.pool = _insert_core(self.pool, src, jnp.int32(length), jnp.int32(slot),
-                             jnp.asarray(row), jnp.int32(first_token), jnp.uint32(params.seed),
+                             jnp.asarray(row), jnp.asarray(write_row), jnp.int32(first_token),
+                             jnp.uint32(params.seed),
                              jnp.float32(s.temperature), jnp.int32(s.top_k),
                              jnp.float32(s.top_p))
 
-  def _pad_layer(self, cache):
-    """Growing caches padded/cut to the pool's max context (one insert compile)."""
+  def _pad_layer(self, cache, positions: int):
+    """Growing caches padded/cut to ``positions`` (the pages written)."""
     if not isinstance(cache, (AttentionCache, MLACache)):
       return cache
 
     def fit(x):
       x = np.asarray(x)
-      out = np.zeros((1, self.max_ctx) + x.shape[2:], x.dtype)
-      n = min(x.shape[1], self.max_ctx)
+      out = np.zeros((1, positions) + x.shape[2:], x.dtype)
+      n = min(x.shape[1], positions)
       out[:, :n] = x[:, :n]
       return out
     return jax.tree_util.tree_map(fit, cache)
 
   def generate(self) -> np.ndarray:
     """One decode step for every slot; returns int32 [n_slots] (0 for empty slots)."""
-    self.pool, tokens = _generate_core(self.model.graphdef, self.model.params, self.pool)
+    # The pre-hashed graph: hashing a whole GraphDef per step costs ms.
+    self.pool, tokens = _generate_core(self.model.static_graph, self.model.params, self.pool)
     return np.asarray(tokens)
 
   def free(self, slot: int) -> None:

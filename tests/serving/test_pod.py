@@ -136,7 +136,10 @@ def _check_pod_run(run, config, prompt, max_new):
     for s in r["sent"]:
       data = {k for k in s["keys"] if not k.endswith("zarr.json")}
       assert data <= mine, (r["process"], sorted(data - mine)[:4])
-      assert s["planned_bytes"] > 0 and s["wire_bytes"] >= s["planned_bytes"]
+      assert s["wire_bytes"] >= s["planned_bytes"]
+    # A pod process may send a slice process nothing but metadata (its heads
+    # live elsewhere in the slice), but every pod process sends something.
+    assert sum(s["planned_bytes"] for s in r["sent"]) > 0, r["process"]
   if len(encoded) > 1:
     assert not set.intersection(*encoded)
     assert all(0 < r["encoded_bytes"] < r["state_bytes"] for r in run.prefill)

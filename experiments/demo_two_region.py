@@ -71,7 +71,7 @@ flags.DEFINE_bool("rebalance_apply", False, "Let the broker apply the rebalancer
 flags.DEFINE_integer("max_queue", 64, "Requests allowed to wait for a decode slot.")
 flags.DEFINE_list("prefill_buckets", ["64", "256"], "Prefill chunk buckets (largest = chunk).")
 flags.DEFINE_enum("codec", "raw", ["raw", "zstd", "blosc"], "State codec on the link.")
-flags.DEFINE_enum("transfer_plane", "grpc", ["tcp", "grpc"], "What carries state bytes A->B: "
+flags.DEFINE_enum("transfer_plane", "tcp", ["tcp", "grpc"], "What carries state bytes A->B: "
                   "the TCP data plane (default) or gRPC Push streams (the old path).")
 flags.DEFINE_bool("reference", True, "Check tokens against single-process generation.")
 flags.DEFINE_string("json_out", "runs/demo/report.json", "Where to write the JSON report.")

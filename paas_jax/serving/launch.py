@@ -144,7 +144,7 @@ class ClusterSpec:
   # dataplane, through the WAN relay like the gRPC control) or "grpc" (Push
   # streams). With flaky_wan or prefill fault interceptors the bytes stay on
   # gRPC (those act on gRPC frames).
-  transfer_plane: str = "grpc"
+  transfer_plane: str = "tcp"
   transfer_lanes: int = 2
   compilation_cache: str | None = None
   log_level: str = "WARNING"

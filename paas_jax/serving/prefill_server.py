@@ -485,11 +485,12 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
     credentials = security.server_credentials()
     channel_credentials = security.channel_credentials()
     if sender_options is not None:
-      sender_options = dataclasses.replace(sender_options, credentials=channel_credentials)
+      fields = {"credentials": channel_credentials}
       if sender_options.plane == "tcp" and sender_options.data_ssl is None:
+        # One replace: TLS credentials without data_ssl is refused on its own.
         from paas_jax.transport.dataplane import tls as dp_tls  # pylint: disable=g-import-not-at-top
-        sender_options = dataclasses.replace(
-            sender_options, **dp_tls.sender_fields(security, sender_options.lanes))
+        fields.update(dp_tls.sender_fields(security, sender_options.lanes))
+      sender_options = dataclasses.replace(sender_options, **fields)
   servicer = PrefillServicer(model, engine_config, batch_window_s=batch_window_s, codec=codec,
                              sender_options=sender_options,
                              channel_credentials=channel_credentials, max_queue=max_queue,
@@ -558,7 +559,7 @@ if __name__ == "__main__":
   flags.DEFINE_enum("codec_compression", "raw", ["raw", "zstd", "blosc"],
                     "State codec compression on the link.")
   flags.DEFINE_integer("transfer_streams", 2, "Parallel Push streams per transfer.")
-  flags.DEFINE_enum("transfer_plane", "grpc", ["tcp", "grpc"], "What carries state bytes to "
+  flags.DEFINE_enum("transfer_plane", "tcp", ["tcp", "grpc"], "What carries state bytes to "
                     "decode servers: tcp (the data plane, when the receiver announces one) or "
                     "grpc (Push streams). Begin/Commit/Abort stay on gRPC either way.")
   flags.DEFINE_integer("transfer_lanes", 2, "Data-plane connections per transfer "

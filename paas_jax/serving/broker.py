@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -39,7 +38,6 @@ from typing import Sequence
 import grpc
 from absl import app, flags
 
-from paas_jax.observability.health import FAST_RECONNECT, HealthMonitor
 from paas_jax.observability.logs import request_metadata
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.scheduling import FinishedRequest, rebalance_step
@@ -47,6 +45,7 @@ from paas_jax.security import cli as security_cli
 from paas_jax.serving import common
 from paas_jax.serving import pd_roles
 from paas_jax.serving.resume import ResumeMetrics, ResumePolicy
+from paas_jax.serving.node_pool import DecodeTarget, NodeKind, NodePool
 from paas_jax.serving.request_lifecycle import (AttemptFailed, FailureCause, RequestLifecycle,
                                                 RequestPhase, retry_decision)
 from paas_jax.serving.validation import (InvalidRequestError, RequestParams,
@@ -68,22 +67,6 @@ MAX_ATTEMPTS = 3
 # request prefills without the prefix (at most half its own time left).
 PREFIX_TRANSFER_TIMEOUT_S = 10.0
 Code = grpc.StatusCode
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeTarget:
-  """A decode server: its control address (from the broker) and the address of
-  its StateTransfer port as the prefill region reaches it (e.g. via the WAN)."""
-
-  control: str
-  transfer: str
-  # Its StateTransfer address inside region B (PD-P node -> PD-D node states
-  # never cross the WAN relay); empty: same as ``transfer``.
-  local_transfer: str = ""
-
-  @property
-  def intra_transfer(self) -> str:
-    return self.local_transfer or self.transfer
 
 
 @dataclasses.dataclass
@@ -214,8 +197,6 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
                codec_json: str = "", recent_kept: int = 512, metrics=None,
                max_attempts: int = MAX_ATTEMPTS, health_interval_s: float = 1.0,
                roles: Sequence[str] | None = None):
-    if not decode_targets:
-      raise ValueError("the broker needs at least one decode server")
     self.config = model_config
     self.policy = policy
     self.codec_json = codec_json
@@ -226,43 +207,21 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
               else byte_text(model_config.name, model_config.vocab_size))
     self.text = text
     self.tokenizer = text.tokenizer
-    self.prefill_targets = list(prefill_targets)
-    self.decode_targets = list(decode_targets)
     self.metrics = metrics  # paas_jax.observability.ServingMetrics or None
     self.resume_policy = ResumePolicy(policy)
     self.resume_metrics = ResumeMetrics(metrics.registry) if metrics is not None else None
     self.max_attempts = max(1, max_attempts)
-    self._channels = [common.make_channel(t, channel_credentials, FAST_RECONNECT)
-                      for t in self.prefill_targets]
-    self._channels += [common.make_channel(t.control, channel_credentials, FAST_RECONNECT)
-                       for t in self.decode_targets]
-    self._prefill_stubs = [serving_pb2_grpc.PrefillStub(c)
-                           for c in self._channels[:len(self.prefill_targets)]]
-    self._decode_stubs = [serving_pb2_grpc.DecodeStub(c)
-                          for c in self._channels[len(self.prefill_targets):]]
-    # Every PD node also serves Prefill (PD-P for another PD node), same channel.
-    self._pdp_stubs = [serving_pb2_grpc.PrefillStub(c)
-                       for c in self._channels[len(self.prefill_targets):]]
-    # PD node roles (paas_jax/serving/pd_roles.py), guarded by _lock. One node:
-    # "both" (colocated PD-P + PD-D); more: a PD-P / PD-D split.
-    self._roles = tuple(pd_roles.NodeRole(r) for r in pd_roles.validate_roles(
-        roles if roles is not None else pd_roles.default_roles(len(self.decode_targets))))
-    if len(self._roles) != len(self.decode_targets):
-      raise ValueError(f"{len(self._roles)} roles for {len(self.decode_targets)} PD nodes")
-    self.role_moves: collections.deque[dict] = collections.deque(maxlen=256)
-    # Probed only once start_health() runs; until then every server counts as up.
-    # Probes go over the same channels as the real calls: a server counts as
-    # back only once the channel the requests will use has reconnected.
-    addresses = self.prefill_targets + [t.control for t in self.decode_targets]
-    self.health = HealthMonitor(addresses, credentials=channel_credentials,
-                                interval_s=health_interval_s, on_change=self._on_health,
-                                channels=dict(zip(addresses, self._channels)))
+    self.counters = collections.Counter()
+    # Picking, load, health, roles and drains of the nodes (node_pool.py).
+    self.pool = NodePool(prefill_targets, decode_targets,
+                         channel_credentials=channel_credentials,
+                         health_interval_s=health_interval_s, roles=roles,
+                         counters=self.counters)
+    self.prefill_targets = self.pool.prefill_targets
+    self.decode_targets = self.pool.decode_targets
     self._lock = threading.Lock()
     self._inflight: dict[str, RequestRecord] = {}
-    self._load = collections.Counter()  # (kind, index) -> in-flight requests
     self._recent: collections.deque[RequestRecord] = collections.deque(maxlen=recent_kept)
-    self.counters = collections.Counter()
-    self._rr = itertools.count()
     self.started = time.time()
     if metrics is not None:
       metrics.track_queue("broker_inflight", lambda: len(self._inflight))
@@ -290,7 +249,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     ``apply_threshold`` also puts the proposed t into the router.
     """
     from paas_jax.serving.live_view import LiveClusterState  # pylint: disable=g-import-not-at-top
-    self.live = LiveClusterState(self._prefill_stubs, self._decode_stubs,
+    self.live = LiveClusterState(self.pool.prefill_stubs, self.pool.decode_stubs,
                                  link_bandwidth_bps=link_bandwidth_bps, poll_s=poll_s)
     self.live.probe_enabled = probe_prefix
     self.live.instance_counts = self.instance_counts
@@ -306,8 +265,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
   def _rebalance_step(self) -> None:
     with self._lock:
       recs = [r for r in self._recent if r.phase == RequestPhase.FINISHED]
-      n_p_now, _ = pd_roles.split(self._roles)
-      moving = any(n.draining for n in self._roles)
+    n_p_now, moving = self.pool.split_now()
     # TPOT per request: decode time after the first token over the tokens that
     # followed it (decode step at the batch size it ran with).
     rows = [FinishedRequest(
@@ -346,135 +304,44 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     n_p = prop["proposed_split"]["n_p"]
     if apply and n_nodes > 1 and n_p != n_p_now and not moving:
       # Flip the fewest nodes, preferring those with the least work to drain.
-      with self._lock:
-        roles = [n.final for n in self._roles]
-        load = {i: self._load[("decode", i)] + self._load[("pdp", i)] for i in range(n_nodes)}
       try:
-        self.set_roles(pd_roles.plan_split(roles, n_p, load),
+        self.set_roles(pd_roles.plan_split(self.pool.roles(), n_p, self.pool.node_load()),
                        reason=f"rebalance: N_p {n_p_now}->{n_p}, "
                               f"gain {100 * prop['relative_gain']:.1f}%")
       except pd_roles.RoleError as e:
         log.warning("rebalance: cannot move PD nodes: %s", e)
 
+  @property
+  def health(self):
+    """The nodes' ``HealthMonitor`` (the pool's)."""
+    return self.pool.health
+
+  @property
+  def role_moves(self):
+    return self.pool.role_moves
+
   def start_health(self) -> None:
-    self.health.start()
+    self.pool.start()
 
   def close(self) -> None:
     if self.live is not None:
       self.live.stop()
-    self.health.stop()
-    for c in self._channels:
-      c.close()
+    self.pool.close()
 
-  def _on_health(self, target: str, healthy: bool, reason: str) -> None:
-    self.counters["server_up" if healthy else "server_down"] += 1
-
-  # -- helpers --------------------------------------------------------------------
-
-  def _address(self, kind: str, index: int) -> str:
-    return (self.prefill_targets[index] if kind == "prefill"
-            else self.decode_targets[index].control)
-
-  def _pick(self, kind: str, exclude=(), prefer: int = -1) -> int | None:
-    """The least loaded healthy server of ``kind`` not in ``exclude`` (None: none).
-
-    kind "prefill": a PrfaaS server; "decode": a PD node serving decode (role
-    pdd/both, not draining away from it), or, when none is healthy, any
-    healthy PD node (colocated fallback), non-draining ones first; "pdp": a PD
-    node serving PD-P prefill (no fallback: the caller prefills colocated).
-    ``prefer``: taken whenever it qualifies (where a shipped prefix waits).
-    """
-    n = len(self.prefill_targets) if kind == "prefill" else len(self.decode_targets)
-    with self._lock:
-      start = next(self._rr)
-      order = [(start + i) % n for i in range(n)]
-      order = [i for i in order if i not in exclude
-               and self.health.is_healthy(self._address(kind, i))]
-      if kind == "decode":
-        order = ([i for i in order if pd_roles.DECODE in self._roles[i].serving]
-                 or [i for i in order if not self._roles[i].draining] or order)
-      elif kind == "pdp":
-        order = [i for i in order if pd_roles.PREFILL in self._roles[i].serving]
-      if not order:
-        return None
-      best = prefer if prefer in order else min(order, key=lambda i: self._load[(kind, i)])
-      self._load[(kind, best)] += 1
-      return best
-
-  def _release(self, kind: str, index: int) -> None:
-    with self._lock:
-      self._load[(kind, index)] -= 1
-      if kind != "prefill":
-        self._settle_roles_locked()
-
-  # -- PD node roles ----------------------------------------------------------------
-
-  def _settle_roles_locked(self) -> None:
-    """Completes the moves whose old-role work has drained (caller holds _lock).
-    Decode work = decode streams (colocated requests included: they hold a
-    slot); prefill work = PD-P prefills for other nodes, until their state
-    transfer ended."""
-    if not any(n.draining for n in self._roles):
-      return
-    inflight = {}
-    for i in range(len(self._roles)):
-      inflight[(i, pd_roles.DECODE)] = self._load[("decode", i)]
-      inflight[(i, pd_roles.PREFILL)] = self._load[("pdp", i)]
-    self._roles, done = pd_roles.settle(self._roles, inflight)
-    now = time.time()
-    for i in done:
-      for m in reversed(self.role_moves):
-        if m["index"] == i and m["completed"] is None:
-          m["completed"], m["drain_s"] = now, now - m["time"]
-          break
-      self.counters["role_moves_completed"] += 1
-      log.info("PD node %s now serves role %s", self.decode_targets[i].control,
-               self._roles[i].role)
+  # -- PD node roles (the pool's; the operator's and the rebalancer's entry) ----------
 
   def set_roles(self, roles: Sequence[str], reason: str = "operator") -> list:
-    """Moves PD nodes to ``roles`` (one per node, in decode-target order).
-
-    Returns the moves started (``pd_roles.RoleMove``). Each moving node drains
-    first (module ``pd_roles``); ``router.role_moves`` in GetStats records
-    when it started and completed. Raises ``pd_roles.RoleError`` (nothing
-    changes) for an unknown role, a wrong count or no node left to decode.
-    """
-    with self._lock:
-      nodes, moves = pd_roles.begin_moves(self._roles, roles)
-      self._roles = nodes
-      now = time.time()
-      for m in moves:
-        self.role_moves.append({"time": now, "node": self.decode_targets[m.node].control,
-                                "index": m.node, "from": m.from_role, "to": m.to_role,
-                                "reason": reason, "completed": None, "drain_s": None})
-        log.info("PD node %s: %s -> %s (%s)", self.decode_targets[m.node].control,
-                 m.from_role, m.to_role, reason)
-      self.counters["role_moves"] += len(moves)
-      self._settle_roles_locked()
-    return moves
+    """``NodePool.set_roles``: moves PD nodes to ``roles`` (drained first)."""
+    return self.pool.set_roles(roles, reason=reason)
 
   def roles(self) -> list[str]:
-    """The role each PD node serves or is draining toward."""
-    with self._lock:
-      return [n.final for n in self._roles]
+    return self.pool.roles()
 
   def roles_info(self) -> list[dict]:
-    with self._lock:
-      nodes = list(self._roles)
-      load = dict(self._load)
-    return [{"node": t.control, "index": i, "role": n.role, "target": n.final,
-             "draining": n.draining, "serving": sorted(n.serving),
-             "inflight_decode": load.get(("decode", i), 0),
-             "inflight_prefill": load.get(("pdp", i), 0),
-             "healthy": self.health.is_healthy(t.control)}
-            for i, (t, n) in enumerate(zip(self.decode_targets, nodes))]
+    return self.pool.roles_info()
 
   def instance_counts(self) -> tuple[int, int]:
-    """(PD-P, PD-D) instances by role now (draining ones count for the
-    capabilities they still serve), for the router's ClusterView. Health is
-    left to the picking, as for the PrfaaS instance count."""
-    with self._lock:
-      return pd_roles.serving_counts(self._roles)
+    return self.pool.instance_counts()
 
   def _parse(self, request) -> tuple[list[int], RequestParams]:
     if request.model and request.model != self.text.name:
@@ -631,16 +498,17 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       rec.prefill_done = threading.Event()
       pi = None
       if route == PRFAAS:
-        pi = self._pick("prefill", bad_prefill)
+        pi = self.pool.pick(NodeKind.PREFILL, bad_prefill)
         if pi is None:
           route = att.route = self._reroute(rec, PDP, "no healthy prefill server",
                                             fallback=True)
-      di = self._pick("decode", bad_decode, prefer=resume.decode_index if resume else -1)
+      di = self.pool.pick(NodeKind.DECODE, bad_decode,
+                          prefer=resume.decode_index if resume else -1)
       if resume is not None and di != resume.decode_index:
         resume = None  # the node holding the commit point is gone: a full prefill
       if di is None:
         if pi is not None:
-          self._release("prefill", pi)
+          self.pool.release(NodeKind.PREFILL, pi)
         raise AttemptFailed(Code.UNAVAILABLE, "no healthy decode server in the PD region"
                             + (f" (after: {rec.reroutes[-1]})" if rec.reroutes else ""),
                             FailureCause.DECODE)
@@ -663,9 +531,9 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
           # Its connection broke: out of routing until a health probe (over the
           # same channel) succeeds again.
           if e.cause == FailureCause.DECODE:
-            self.health.mark_down(self._address("decode", di), e.message)
+            self.pool.mark_down(NodeKind.DECODE, di, e.message)
           elif e.cause == FailureCause.PREFILL and pi is not None:
-            self.health.mark_down(self._address("prefill", pi), e.message)
+            self.pool.mark_down(NodeKind.PREFILL, pi, e.message)
         if not self._retry_decision(rec, e, att, context).retry:
           raise
         attempt += 1
@@ -678,8 +546,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         else:
           if pi is not None:
             bad_prefill.add(pi)
-          others = [i for i in range(len(self.prefill_targets)) if i not in bad_prefill
-                    and self.health.is_healthy(self._address("prefill", i))]
+          others = self.pool.healthy_prefill(exclude=bad_prefill)
           # DATA_LOSS: the state arrived damaged (a chunk that failed its
           # checksum for good, or a state that failed the logit probe): its
           # commit points are not trusted either; re-prefill locally from
@@ -688,7 +555,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
           resume = None if damaged else self.resume_policy.decide(
               prompt_tokens=len(prompt), commit_point=rec.commit_point,
               earlier_id=downstream_id, decode_index=di,
-              decode_healthy=self.health.is_healthy(self._address("decode", di)),
+              decode_healthy=self.pool.healthy(NodeKind.DECODE, di),
               other_prefill=bool(others), streamed=route == PRFAAS or rec.pd_split)
           if resume is not None and resume.resume:
             route = self._reroute(rec, PDP, f"prefill/transfer failed: {e.code.name}; "
@@ -699,9 +566,9 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
             route = self._reroute(rec, PDP if local else PRFAAS,
                                   f"prefill/transfer failed: {e.code.name}", fallback=local)
       finally:
-        self._release("decode", di)
+        self.pool.release(NodeKind.DECODE, di)
         if pi is not None:
-          self._release("prefill", pi)
+          self.pool.release(NodeKind.PREFILL, pi)
 
   # -- cross-cluster prefix transfer ------------------------------------------------
 
@@ -731,18 +598,6 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     if hasattr(self.policy, "cross_cluster_prefix"):
       self.policy.cross_cluster_prefix = self.prefix_sources
 
-  def _prefix_importer_node(self, di: int) -> int:
-    """The PD node whose PD-P prefix cache should get a prefix from region A:
-    the decode node when it prefills colocated, else the PD-P node
-    ``_pd_prefill`` would pick now (the least loaded healthy one)."""
-    with self._lock:
-      if len(self.decode_targets) == 1 or pd_roles.PREFILL in self._roles[di].serving:
-        return di
-      nodes = [i for i in range(len(self.decode_targets)) if i != di
-               and pd_roles.PREFILL in self._roles[i].serving
-               and self.health.is_healthy(self._address("decode", i))]
-      return min(nodes, key=lambda i: self._load[("pdp", i)]) if nodes else di
-
   def _ship_prefix(self, rec: RequestRecord, prompt, context, route: str, di: int,
                    pi: int | None, calls: dict) -> None:
     """Ships the longer cached prefix to the region that will prefill, if the
@@ -757,14 +612,14 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       return
     if src == PRFAAS:
       # Any prefill server may hold it (the probe took the max); try the healthy ones.
-      exporters = [(self._prefill_stubs[i], self.prefill_targets[i])
+      exporters = [(self.pool.prefill_stubs[i], self.prefill_targets[i])
                    for i in range(len(self.prefill_targets))
                    if self.health.is_healthy(self.prefill_targets[i])]
-      rec.prefix_node = self._prefix_importer_node(di)
+      rec.prefix_node = self.pool.prefix_importer_node(di)
       target, link = self.decode_targets[rec.prefix_node].transfer, "A->B"
     else:
       order = [di] + [i for i in range(len(self.decode_targets)) if i != di]
-      exporters = [(self._decode_stubs[i], self.decode_targets[i].control) for i in order
+      exporters = [(self.pool.decode_stubs[i], self.decode_targets[i].control) for i in order
                    if self.health.is_healthy(self.decode_targets[i].control)]
       target, link = self.prefill_transfer_targets[pi], "B->A"
     rec.prefix_transfer = f"{src}->{route}"
@@ -819,19 +674,12 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
 
   def _retry_decision(self, rec: RequestRecord, e: AttemptFailed, att, context):
     """``request_lifecycle.retry_decision`` with this request's facts."""
-    mine = self._decode_index(rec)
     return retry_decision(
         e.cause, e.code, att.number, max_attempts=self.max_attempts,
         client_gone=rec.client_gone, time_left_s=common.remaining_s(context),
         tokens_delivered=len(rec.delivered),
-        other_decode_healthy=any(i != mine and self.health.is_healthy(t.control)
-                                 for i, t in enumerate(self.decode_targets)))
-
-  def _decode_index(self, rec: RequestRecord) -> int:
-    for i, t in enumerate(self.decode_targets):
-      if t.control == rec.decode_server:
-        return i
-    return -1
+        other_decode_healthy=self.pool.other_decode_healthy(
+            self.pool.decode_index(rec.decode_server)))
 
   def _reroute(self, rec: RequestRecord, route: str, cause: str, fallback: bool = False) -> str:
     rid = rec.request_id
@@ -863,10 +711,9 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     PD-P (one node, a "both" node) or no PD-P node is healthy (fallback);
     otherwise a PD-P node prefills and streams the state to ``di`` inside
     region B (the PrfaaS machinery with another prefill stub and address)."""
-    with self._lock:
-      colocated = (len(self.decode_targets) == 1
-                   or pd_roles.PREFILL in self._roles[di].serving)
-    ni = None if colocated else self._pick("pdp", exclude={di}, prefer=rec.prefix_node)
+    colocated = self.pool.colocated(di)
+    ni = None if colocated else self.pool.pick(NodeKind.PDP, exclude={di},
+                                               prefer=rec.prefix_node)
     if ni is None:
       if not colocated:
         self.counters["pdp_colocated_fallback"] += 1
@@ -880,13 +727,13 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       # The PD-P node's part ends with its state transfer, not with the decode.
       if not released.is_set():
         released.set()
-        self._release("pdp", ni)
+        self.pool.release(NodeKind.PDP, ni)
     try:
       yield from self._remote_once(rec, prompt, params, calls, context, downstream_id, di,
                                    None, pd_node=ni, on_prefill_done=release)
     except AttemptFailed as e:
       if e.cause == FailureCause.PREFILL and e.code == Code.UNAVAILABLE and not rec.client_gone:
-        self.health.mark_down(self._address("pdp", ni), e.message)
+        self.pool.mark_down(NodeKind.PDP, ni, e.message)
       raise
     finally:
       release()
@@ -901,7 +748,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     att.pd_split = False
     rec.lifecycle.advance(RequestPhase.PREFILLING)
     try:
-      dcall = self._decode_stubs[di].Decode(
+      dcall = self.pool.decode_stubs[di].Decode(
           self._decode_request(rec, prompt, params, False, downstream_id, resume_from),
           timeout=common.remaining_s(context), metadata=request_metadata(rec.request_id))
     except grpc.RpcError as e:
@@ -921,15 +768,15 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     rec.pd_split = pd_node is not None
     if pd_node is None:
       rec.prefill_server = self.prefill_targets[pi]
-      pstub, state_target = self._prefill_stubs[pi], target.transfer
+      pstub, state_target = self.pool.prefill_stubs[pi], target.transfer
     else:
       rec.prefill_server = self.decode_targets[pd_node].control
-      pstub, state_target = self._pdp_stubs[pd_node], target.intra_transfer
+      pstub, state_target = self.pool.pdp_stubs[pd_node], target.intra_transfer
     att = rec.lifecycle.attempt
     att.decode_node, att.prefill_node, att.pd_split = (rec.decode_server, rec.prefill_server,
                                                       rec.pd_split)
     md = request_metadata(rec.request_id)
-    dcall = self._decode_stubs[di].Decode(
+    dcall = self.pool.decode_stubs[di].Decode(
         self._decode_request(rec, prompt, params, True, downstream_id),
         timeout=common.remaining_s(context), metadata=md)
     calls["decode"] = dcall
@@ -955,7 +802,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       pcall.cancel()
       dcall.cancel()
     follower = threading.Thread(target=self._follow_prefill,
-                                args=(rec, pcall, dcall, self._decode_stubs[di],
+                                args=(rec, pcall, dcall, self.pool.decode_stubs[di],
                                       downstream_id, rec.prefill_done, att),
                                 kwargs={"wan": pd_node is None, "on_done": on_prefill_done},
                                 name=f"prefill-{rec.request_id[:8]}", daemon=True)

@@ -182,9 +182,9 @@ def test_broker_drains_a_moving_node(offline_broker):
   assert b.roles() == ["pdd", "pdd", "pdp"]
   assert b.instance_counts() == (1, 2)
   # Decode work lands only on PD-D nodes, PD-P work only on the PD-P node.
-  picks = {b._pick("decode") for _ in range(6)}
+  picks = {b.pool.pick("decode") for _ in range(6)}
   assert picks == {0, 1}
-  assert b._pick("pdp") == 2
+  assert b.pool.pick("pdp") == 2
   # (loads now: decode 3 + 3 on nodes 0/1, pdp 1 on node 2)
   moves = b.set_roles(["pdp", "pdd", "pdd"], reason="test")
   assert [(m.node, m.from_role, m.to_role) for m in moves] == [(0, "pdd", "pdp"),
@@ -193,14 +193,14 @@ def test_broker_drains_a_moving_node(offline_broker):
   assert info[0]["draining"] and info[0]["serving"] == []
   assert info[2]["draining"] and info[2]["inflight_prefill"] == 1
   # Draining nodes get no new work: decode goes to node 1 only, no PD-P node.
-  assert {b._pick("decode") for _ in range(4)} == {1}
-  assert b._pick("pdp") is None
-  b._release("pdp", 2)  # node 2's PD-P prefill finished: it now decodes
+  assert {b.pool.pick("decode") for _ in range(4)} == {1}
+  assert b.pool.pick("pdp") is None
+  b.pool.release("pdp", 2)  # node 2's PD-P prefill finished: it now decodes
   info = {r["index"]: r for r in b.roles_info()}
   assert not info[2]["draining"] and info[2]["role"] == "pdd"
   assert info[0]["draining"]
   for _ in range(3):
-    b._release("decode", 0)
+    b.pool.release("decode", 0)
   info = {r["index"]: r for r in b.roles_info()}
   assert info[0]["role"] == "pdp" and not info[0]["draining"]
   moves = [m for m in b.role_moves]
@@ -226,10 +226,10 @@ def test_broker_rejects_bad_roles(offline_broker):
 def test_decode_falls_back_to_any_node_without_pd_d(offline_broker):
   b = offline_broker
   b.set_roles(["both", "pdp", "pdp"])
-  assert b._pick("decode") == 0
+  assert b.pool.pick("decode") == 0
   b.health.mark_down(b.decode_targets[0].control, "test")
   # No healthy decode-capable node: any healthy node (colocated fallback).
-  assert b._pick("decode") in (1, 2)
+  assert b.pool.pick("decode") in (1, 2)
 
 
 def _broker_with_records(apply: bool, pdp_slow: float):

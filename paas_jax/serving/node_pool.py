@@ -1,0 +1,284 @@
+"""The broker's nodes: PrfaaS prefill servers and PD nodes, with their channels,
+health, in-flight load, roles and drains.
+
+The broker asks the pool, never the nodes' bookkeeping directly:
+
+* ``pick(kind)`` / ``release(kind, i)``: the least loaded healthy node of a
+  ``NodeKind`` (a PrfaaS prefill server, a PD node serving decode, a PD node
+  serving PD-P prefill) and the end of the work it was picked for;
+* health: every node is probed (``HealthMonitor``, over the same channels the
+  requests use); ``mark_down`` takes a node whose connection broke out of
+  picking until a probe succeeds again;
+* roles: ``set_roles`` moves PD nodes between PD-P / PD-D / both; a moving
+  node drains first (the pure rules live in ``pd_roles``), and ``release``
+  completes the moves whose old-role work has drained.
+
+Thread-safe: one lock guards load and roles.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+import logging
+import threading
+import time
+from typing import Sequence
+
+import grpc
+
+from paas_jax.observability.health import FAST_RECONNECT, HealthMonitor
+from paas_jax.proto import serving_pb2_grpc
+from paas_jax.serving import common
+from paas_jax.serving import pd_roles
+
+log = logging.getLogger("paas_jax.serving.broker")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTarget:
+  """A decode server: its control address (from the broker) and the address of
+  its StateTransfer port as the prefill region reaches it (e.g. via the WAN)."""
+
+  control: str
+  transfer: str
+  # Its StateTransfer address inside region B (PD-P node -> PD-D node states
+  # never cross the WAN relay); empty: same as ``transfer``.
+  local_transfer: str = ""
+
+  @property
+  def intra_transfer(self) -> str:
+    return self.local_transfer or self.transfer
+
+
+class NodeKind(enum.StrEnum):
+  """What a node is picked for (the in-flight load is counted per kind)."""
+
+  PREFILL = "prefill"  # a PrfaaS prefill server (region A)
+  DECODE = "decode"    # a PD node decoding (colocated requests included)
+  PDP = "pdp"          # a PD node prefilling for another PD node (PD-P)
+
+
+class NodePool:
+  """Prefill servers and PD nodes; see the module docstring.
+
+  ``counters``: the broker's counters (server_up/down, role_moves, ...).
+  ``roles``: the PD nodes' starting roles (``pd_roles.default_roles``).
+  """
+
+  def __init__(self, prefill_targets: Sequence[str], decode_targets: Sequence[DecodeTarget], *,
+               channel_credentials: grpc.ChannelCredentials | None = None,
+               health_interval_s: float = 1.0, roles: Sequence[str] | None = None,
+               counters: collections.Counter | None = None):
+    if not decode_targets:
+      raise ValueError("the broker needs at least one decode server")
+    self.prefill_targets = list(prefill_targets)
+    self.decode_targets = list(decode_targets)
+    self.counters = counters if counters is not None else collections.Counter()
+    self._channels = [common.make_channel(t, channel_credentials, FAST_RECONNECT)
+                      for t in self.prefill_targets]
+    self._channels += [common.make_channel(t.control, channel_credentials, FAST_RECONNECT)
+                       for t in self.decode_targets]
+    n_prefill = len(self.prefill_targets)
+    self.prefill_stubs = [serving_pb2_grpc.PrefillStub(c) for c in self._channels[:n_prefill]]
+    self.decode_stubs = [serving_pb2_grpc.DecodeStub(c) for c in self._channels[n_prefill:]]
+    # Every PD node also serves Prefill (PD-P for another PD node), same channel.
+    self.pdp_stubs = [serving_pb2_grpc.PrefillStub(c) for c in self._channels[n_prefill:]]
+    # One node: "both" (colocated PD-P + PD-D); more: a PD-P / PD-D split.
+    self._roles = tuple(pd_roles.NodeRole(r) for r in pd_roles.validate_roles(
+        roles if roles is not None else pd_roles.default_roles(len(self.decode_targets))))
+    if len(self._roles) != len(self.decode_targets):
+      raise ValueError(f"{len(self._roles)} roles for {len(self.decode_targets)} PD nodes")
+    self.role_moves: collections.deque[dict] = collections.deque(maxlen=256)
+    # Probed only once start() runs; until then every server counts as up.
+    # Probes go over the same channels as the real calls: a server counts as
+    # back only once the channel the requests will use has reconnected.
+    addresses = self.prefill_targets + [t.control for t in self.decode_targets]
+    self.health = HealthMonitor(addresses, credentials=channel_credentials,
+                                interval_s=health_interval_s, on_change=self._on_health,
+                                channels=dict(zip(addresses, self._channels)))
+    self._lock = threading.Lock()
+    self._load = collections.Counter()  # (NodeKind, index) -> in-flight work
+    self._rr = itertools.count()
+
+  def start(self) -> None:
+    self.health.start()
+
+  def close(self) -> None:
+    self.health.stop()
+    for c in self._channels:
+      c.close()
+
+  def _on_health(self, target: str, healthy: bool, reason: str) -> None:
+    self.counters["server_up" if healthy else "server_down"] += 1
+
+  # -- addresses and health -------------------------------------------------------
+
+  def address(self, kind: NodeKind, index: int) -> str:
+    return (self.prefill_targets[index] if kind == NodeKind.PREFILL
+            else self.decode_targets[index].control)
+
+  def healthy(self, kind: NodeKind, index: int) -> bool:
+    return self.health.is_healthy(self.address(kind, index))
+
+  def mark_down(self, kind: NodeKind, index: int, reason: str) -> None:
+    """Its connection broke: out of picking until a health probe succeeds."""
+    self.health.mark_down(self.address(kind, index), reason)
+
+  def healthy_prefill(self, exclude=()) -> list[int]:
+    return [i for i in range(len(self.prefill_targets))
+            if i not in exclude and self.healthy(NodeKind.PREFILL, i)]
+
+  def decode_index(self, control: str) -> int:
+    """The PD node with control address ``control`` (-1: none)."""
+    for i, t in enumerate(self.decode_targets):
+      if t.control == control:
+        return i
+    return -1
+
+  def other_decode_healthy(self, index: int) -> bool:
+    """Whether a healthy PD node other than ``index`` exists (a restart target)."""
+    return any(i != index and self.health.is_healthy(t.control)
+               for i, t in enumerate(self.decode_targets))
+
+  # -- picking --------------------------------------------------------------------
+
+  def pick(self, kind: NodeKind, exclude=(), prefer: int = -1) -> int | None:
+    """The least loaded healthy node of ``kind`` not in ``exclude`` (None: none).
+
+    PREFILL: a PrfaaS server; DECODE: a PD node serving decode (role pdd/both,
+    not draining away from it), or, when none is healthy, any healthy PD node
+    (colocated fallback), non-draining ones first; PDP: a PD node serving PD-P
+    prefill (no fallback: the caller prefills colocated). ``prefer``: taken
+    whenever it qualifies (where a shipped prefix or a commit point waits).
+    Counts one unit of load on the node until ``release``.
+    """
+    kind = NodeKind(kind)
+    n = len(self.prefill_targets) if kind == NodeKind.PREFILL else len(self.decode_targets)
+    with self._lock:
+      start = next(self._rr)
+      order = [(start + i) % n for i in range(n)]
+      order = [i for i in order if i not in exclude
+               and self.health.is_healthy(self.address(kind, i))]
+      if kind == NodeKind.DECODE:
+        order = ([i for i in order if pd_roles.DECODE in self._roles[i].serving]
+                 or [i for i in order if not self._roles[i].draining] or order)
+      elif kind == NodeKind.PDP:
+        order = [i for i in order if pd_roles.PREFILL in self._roles[i].serving]
+      if not order:
+        return None
+      best = prefer if prefer in order else min(order, key=lambda i: self._load[(kind, i)])
+      self._load[(kind, best)] += 1
+      return best
+
+  def release(self, kind: NodeKind, index: int) -> None:
+    kind = NodeKind(kind)
+    with self._lock:
+      self._load[(kind, index)] -= 1
+      if kind != NodeKind.PREFILL:
+        self._settle_roles_locked()
+
+  def load(self, kind: NodeKind, index: int) -> int:
+    with self._lock:
+      return self._load[(NodeKind(kind), index)]
+
+  def colocated(self, di: int) -> bool:
+    """Whether PD node ``di`` prefills its own requests (one node, or PD-P is
+    among the capabilities it serves now)."""
+    with self._lock:
+      return len(self.decode_targets) == 1 or pd_roles.PREFILL in self._roles[di].serving
+
+  def prefix_importer_node(self, di: int) -> int:
+    """The PD node whose PD-P prefix cache should get a prefix from region A:
+    the decode node when it prefills colocated, else the PD-P node a pdp
+    request would pick now (the least loaded healthy one)."""
+    with self._lock:
+      if len(self.decode_targets) == 1 or pd_roles.PREFILL in self._roles[di].serving:
+        return di
+      nodes = [i for i in range(len(self.decode_targets)) if i != di
+               and pd_roles.PREFILL in self._roles[i].serving
+               and self.health.is_healthy(self.decode_targets[i].control)]
+      return min(nodes, key=lambda i: self._load[(NodeKind.PDP, i)]) if nodes else di
+
+  # -- PD node roles ----------------------------------------------------------------
+
+  def _settle_roles_locked(self) -> None:
+    """Completes the moves whose old-role work has drained (caller holds _lock).
+    Decode work = decode streams (colocated requests included: they hold a
+    slot); prefill work = PD-P prefills for other nodes, until their state
+    transfer ended."""
+    if not any(n.draining for n in self._roles):
+      return
+    inflight = {}
+    for i in range(len(self._roles)):
+      inflight[(i, pd_roles.DECODE)] = self._load[(NodeKind.DECODE, i)]
+      inflight[(i, pd_roles.PREFILL)] = self._load[(NodeKind.PDP, i)]
+    self._roles, done = pd_roles.settle(self._roles, inflight)
+    now = time.time()
+    for i in done:
+      for m in reversed(self.role_moves):
+        if m["index"] == i and m["completed"] is None:
+          m["completed"], m["drain_s"] = now, now - m["time"]
+          break
+      self.counters["role_moves_completed"] += 1
+      log.info("PD node %s now serves role %s", self.decode_targets[i].control,
+               self._roles[i].role)
+
+  def set_roles(self, roles: Sequence[str], reason: str = "operator") -> list:
+    """Moves PD nodes to ``roles`` (one per node, in decode-target order).
+
+    Returns the moves started (``pd_roles.RoleMove``). Each moving node drains
+    first (module ``pd_roles``); ``role_moves`` records when it started and
+    completed. Raises ``pd_roles.RoleError`` (nothing changes) for an unknown
+    role, a wrong count or no node left to decode.
+    """
+    with self._lock:
+      nodes, moves = pd_roles.begin_moves(self._roles, roles)
+      self._roles = nodes
+      now = time.time()
+      for m in moves:
+        self.role_moves.append({"time": now, "node": self.decode_targets[m.node].control,
+                                "index": m.node, "from": m.from_role, "to": m.to_role,
+                                "reason": reason, "completed": None, "drain_s": None})
+        log.info("PD node %s: %s -> %s (%s)", self.decode_targets[m.node].control,
+                 m.from_role, m.to_role, reason)
+      self.counters["role_moves"] += len(moves)
+      self._settle_roles_locked()
+    return moves
+
+  def roles(self) -> list[str]:
+    """The role each PD node serves or is draining toward."""
+    with self._lock:
+      return [n.final for n in self._roles]
+
+  def split_now(self) -> tuple[int, bool]:
+    """(PD-P nodes by current role, whether any node is still draining)."""
+    with self._lock:
+      n_p, _ = pd_roles.split(self._roles)
+      return n_p, any(n.draining for n in self._roles)
+
+  def node_load(self) -> dict[int, int]:
+    """In-flight work (decode + PD-P) per PD node, for picking nodes to move."""
+    with self._lock:
+      return {i: self._load[(NodeKind.DECODE, i)] + self._load[(NodeKind.PDP, i)]
+              for i in range(len(self.decode_targets))}
+
+  def roles_info(self) -> list[dict]:
+    with self._lock:
+      nodes = list(self._roles)
+      load = dict(self._load)
+    return [{"node": t.control, "index": i, "role": n.role, "target": n.final,
+             "draining": n.draining, "serving": sorted(n.serving),
+             "inflight_decode": load.get((NodeKind.DECODE, i), 0),
+             "inflight_prefill": load.get((NodeKind.PDP, i), 0),
+             "healthy": self.health.is_healthy(t.control)}
+            for i, (t, n) in enumerate(zip(self.decode_targets, nodes))]
+
+  def instance_counts(self) -> tuple[int, int]:
+    """(PD-P, PD-D) instances by role now (draining ones count for the
+    capabilities they still serve), for the router's ClusterView. Health is
+    left to the picking, as for the PrfaaS instance count."""
+    with self._lock:
+      return pd_roles.serving_counts(self._roles)

@@ -1,0 +1,84 @@
+"""NodePool (serving/node_pool.py) on its own: picking by load and health,
+preferences, roles gating what a node is picked for, drains completing on
+release. No servers listen behind these addresses: only the bookkeeping runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from paas_jax.serving import pd_roles
+from paas_jax.serving.node_pool import DecodeTarget, NodeKind, NodePool
+
+
+@pytest.fixture
+def pool():
+  p = NodePool(["127.0.0.1:9", "127.0.0.1:11"],
+               [DecodeTarget(f"127.0.0.1:{n}", f"127.0.0.1:{n + 1}") for n in (1, 3, 5)],
+               roles=["pdd", "pdd", "pdp"])
+  yield p
+  p.close()
+
+
+def test_pick_spreads_by_load_and_release_frees(pool):
+  a = pool.pick(NodeKind.PREFILL)
+  b = pool.pick(NodeKind.PREFILL)
+  assert {a, b} == {0, 1}  # least loaded first
+  assert pool.load(NodeKind.PREFILL, a) == 1
+  pool.release(NodeKind.PREFILL, a)
+  assert pool.load(NodeKind.PREFILL, a) == 0
+  assert pool.pick(NodeKind.PREFILL) == a
+
+
+def test_unhealthy_and_excluded_nodes_are_not_picked(pool):
+  pool.mark_down(NodeKind.PREFILL, 0, "test")
+  assert not pool.healthy(NodeKind.PREFILL, 0)
+  assert {pool.pick(NodeKind.PREFILL) for _ in range(3)} == {1}
+  assert pool.pick(NodeKind.PREFILL, exclude={1}) is None
+  assert pool.healthy_prefill() == [1]
+
+
+def test_roles_decide_what_a_node_is_picked_for(pool):
+  assert {pool.pick(NodeKind.DECODE) for _ in range(4)} <= {0, 1}  # node 2 is PD-P only
+  assert pool.pick(NodeKind.PDP) == 2
+  assert not pool.colocated(0) and pool.colocated(2)
+  assert pool.instance_counts() == (1, 2)
+
+
+def test_prefer_wins_when_it_qualifies(pool):
+  assert pool.pick(NodeKind.DECODE, prefer=1) == 1
+  assert pool.pick(NodeKind.DECODE, prefer=1) == 1  # even though more loaded
+  assert pool.pick(NodeKind.DECODE, prefer=2) in (0, 1)  # PD-P only: not a decode node
+
+
+def test_drain_completes_on_release(pool):
+  d = pool.pick(NodeKind.DECODE, prefer=0)
+  assert d == 0
+  moves = pool.set_roles(["pdp", "pdd", "pdd"], reason="test")
+  assert {m.node for m in moves} == {0, 2}
+  # Node 2 had no PD-P work: its move completed at once. Node 0 drains its
+  # decode stream and serves nothing meanwhile.
+  assert pool.split_now() == (1, True)
+  assert pool.roles_info()[0]["draining"] and not pool.roles_info()[2]["draining"]
+  assert {pool.pick(NodeKind.DECODE) for _ in range(4)} == {1, 2}
+  assert pool.pick(NodeKind.PDP) is None
+  pool.release(NodeKind.DECODE, 0)
+  n_p, moving = pool.split_now()
+  assert not moving and pool.roles() == ["pdp", "pdd", "pdd"]
+  assert all(m["completed"] is not None for m in pool.role_moves)
+  assert pool.counters["role_moves"] == 2 and pool.counters["role_moves_completed"] == 2
+
+
+def test_bad_roles_are_refused(pool):
+  with pytest.raises(pd_roles.RoleError):
+    pool.set_roles(["pdp", "pdp", "pdp"])  # no node left to decode
+  assert pool.roles() == ["pdd", "pdd", "pdp"]
+  with pytest.raises(ValueError, match="2 roles for 3 PD nodes"):
+    NodePool([], [DecodeTarget(f"127.0.0.1:{n}", "x") for n in (1, 3, 5)], roles=["pdd", "pdp"])
+
+
+def test_other_decode_healthy_and_index(pool):
+  assert pool.decode_index("127.0.0.1:3") == 1 and pool.decode_index("nope") == -1
+  assert pool.other_decode_healthy(0)
+  pool.mark_down(NodeKind.DECODE, 1, "t")
+  pool.mark_down(NodeKind.DECODE, 2, "t")
+  assert not pool.other_decode_healthy(0)

@@ -202,3 +202,26 @@ def checkpoint_text(checkpoint: str | pathlib.Path, *, config_name: str = "",
                     kind="checkpoint" if tokenizer is not None else "",
                     chat_template=template or None, special_tokens=special,
                     eos_token_ids=eos)
+
+
+def served_text(config, checkpoint: str | None, tokenizer_file: str | None,
+                served_name: str = "", *, declared_config: bool) -> ServedText:
+  """What the broker knows about text: the checkpoint's tokenizer, template, EOS
+  ids and name; a random-init config served by name (``declared_config``) gets
+  byte-level text; a model learned from the decode servers without a
+  checkpoint gets no tokenizer (text prompts refused, never guessed)."""
+  if checkpoint:
+    from paas_jax.checkpoints import checkpoint_metadata  # pylint: disable=g-import-not-at-top
+    from paas_jax.checkpoints.orbax_io import METADATA_ITEM  # pylint: disable=g-import-not-at-top
+    meta = (checkpoint_metadata(checkpoint) if (pathlib.Path(checkpoint) / METADATA_ITEM).is_dir()
+            else None)
+    text = checkpoint_text(checkpoint, config_name=config.name, metadata=meta, name=served_name)
+  elif declared_config:
+    text = byte_text(served_name or config.name, config.vocab_size)
+  else:
+    text = ServedText(name=served_name or config.name)
+  if tokenizer_file:
+    from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+    text = dataclasses.replace(text, tokenizer=WrappedTokenizer(
+        Tokenizer.from_file(tokenizer_file)), kind="checkpoint")
+  return text

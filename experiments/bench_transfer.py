@@ -41,6 +41,9 @@ from absl import app, flags
 # Runnable as a script from the repository root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# pylint: disable=g-import-not-at-top,wrong-import-position  (after the path fix above)
+from experiments import transfer_planes
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("json_out", None, "Where to write the results (JSON).", required=True)
 flags.DEFINE_list("models", ["tiny_gdn_gqa", "hybrid_100m", "dense_100m"], "Model configs.")
@@ -90,36 +93,12 @@ def _serve_grpc(conn, models: dict, template_model: str | None) -> None:
   server.stop(0)
 
 
-def _serve_null(conn) -> None:
-  """Child process: the transfer service with a Push that only drains frames."""
-  from paas_jax.proto import transport_pb2, transport_pb2_grpc
-  from paas_jax.transport import channels
-
-  class Null(transport_pb2_grpc.StateTransferServicer):
-    def Push(self, request_iterator, context):
-      n = sum(1 for _ in request_iterator)
-      return transport_pb2.PushSummary(chunks=n)
-
-  server = channels.make_server(max_workers=8)
-  transport_pb2_grpc.add_StateTransferServicer_to_server(Null(), server)
-  port = channels.add_port(server, "127.0.0.1:0")
-  server.start()
-  conn.send(port)
-  conn.recv()
-  server.stop(0)
-
-
 def _bare_grpc_send(port: int, groups) -> float:
-  """One Push stream of prebuilt frames on a fresh channel: the gRPC floor."""
-  from paas_jax.proto import transport_pb2, transport_pb2_grpc
-  from paas_jax.transport import channels
-  frames = [transport_pb2.Frame(chunk=transport_pb2.Chunk(key=k, data=v, nbytes=len(v)))
-            for g in groups for k, v in g.blobs.items()]
-  channel = channels.make_channels(f"127.0.0.1:{port}", 1)[0]
+  """Seconds for one Push stream of prebuilt frames on a fresh channel."""
+  channel, push = transfer_planes.bare_grpc(port, groups, timeout_s=120)
   try:
-    stub = transport_pb2_grpc.StateTransferStub(channel)
     t0 = time.perf_counter()
-    stub.Push(iter(frames), timeout=120)
+    push()
     return time.perf_counter() - t0
   finally:
     channel.close()
@@ -292,7 +271,7 @@ def bench_model(name: str, n_tokens: int, progress) -> dict:
   payload = sum(len(b) for b in blobs)
   rx = Child(_serve_grpc, {name: fingerprint}, None)
   tcp = Child(_serve_tcp)
-  null = Child(_serve_null)
+  null = Child(transfer_planes.serve_null)
   try:
     _bare_grpc_send(null.port, groups)
     t_bare = statistics.median(_bare_grpc_send(null.port, groups) for _ in range(repeats))
@@ -432,7 +411,6 @@ def main(argv):
       json.dump(results, f, indent=2)
     return
   if FLAGS.planes:
-    from experiments import transfer_planes
     from paas_jax.models import load_config
     results["flags"].update(planes=True, lanes=FLAGS.lanes, tls=FLAGS.tls)
     for name, n in zip(models, tokens):

@@ -61,7 +61,8 @@ def _serve_receiver(conn, models: dict, pki_dir: str | None) -> None:
   server.stop(0)
 
 
-def _serve_null(conn) -> None:
+def serve_null(conn) -> None:
+  """Child process: the transfer service with a Push that only drains frames."""
   from paas_jax.proto import transport_pb2, transport_pb2_grpc
   from paas_jax.transport import channels
 
@@ -208,14 +209,15 @@ def _tcp_rtt(sock, repeats: int) -> float:
   return statistics.median(times)
 
 
-def _bare_grpc(port: int, groups):
+def bare_grpc(port: int, groups, timeout_s: float = 300):
+  """(channel, push): one Push stream of prebuilt frames, the gRPC floor."""
   from paas_jax.proto import transport_pb2, transport_pb2_grpc
   from paas_jax.transport import channels
   frames = [transport_pb2.Frame(chunk=transport_pb2.Chunk(key=k, data=v, nbytes=len(v)))
             for g in groups for k, v in g.blobs.items()]
   channel = channels.make_channels(f"127.0.0.1:{port}", 1)[0]
   stub = transport_pb2_grpc.StateTransferStub(channel)
-  return channel, lambda: stub.Push(iter(frames), timeout=300)
+  return channel, lambda: stub.Push(iter(frames), timeout=timeout_s)
 
 
 def _sender_send(sender, groups, *, model_id, fingerprint, num_layers, tokens):
@@ -261,9 +263,9 @@ def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: boo
       plan = [(f"raw_tcp_{label}", lambda sock=sock: _tcp_send(sock, views), tcp)]
       if label == "plain":
         out["raw_tcp_rtt_s"] = _tcp_rtt(sock, fixed_repeats * 3)
-        null = Child(_serve_null)
+        null = Child(serve_null)
         children.append(null)
-        channel, fn = _bare_grpc(null.port, groups)
+        channel, fn = bare_grpc(null.port, groups)
         closers.append(channel.close)
         plan.append(("bare_grpc_plain", fn, null))
       target = f"127.0.0.1:{rx.port}"

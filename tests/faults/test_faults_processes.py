@@ -16,6 +16,8 @@ import pytest
 
 from paas_jax.client import BrokerClient, GenerationError
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
+# Single-process generation of the same weights (tiny_gdn_gqa, seed 0).
+from tests.serving.conftest import ref_model, reference  # noqa: F401  (fixtures)
 
 LONG, SHORT = 120, 20
 
@@ -36,15 +38,6 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference():
-  from paas_jax.models import api
-  from paas_jax.serving import common
-  common.enable_compilation_cache(common.default_compilation_cache())
-  model, _ = common.load_model("tiny_gdn_gqa", 0)
-  return lambda prompt, n: api.generate(model, prompt, n).tokens
-
-
-@pytest.fixture(scope="module")
 def client(cluster):
   with BrokerClient(cluster.broker_address, timeout_s=120,
                     credentials=cluster.client_credentials()) as c:
@@ -56,7 +49,7 @@ def test_prefill_killed_mid_transfer_reprefills_with_the_same_tokens(cluster, cl
   prompt = _prompt(LONG, 1)
   out = client.generate(prompt_ids=prompt, max_new_tokens=8, request_id="killed-prefill")
   assert cluster.procs["prefill"].popen.wait(10) == 137  # it really died mid-transfer
-  assert out.tokens == reference(prompt, 8)
+  assert out.tokens == reference(tuple(prompt), 8)
   assert out.route == "pdp" and "fallback" in out.summary["route_reason"]
   # The broker's log names the request and the reroute.
   log = (cluster.workdir / "broker.log").read_text()
@@ -70,7 +63,7 @@ def test_prefill_killed_mid_transfer_reprefills_with_the_same_tokens(cluster, cl
     if out.route == "prfaas" or time.monotonic() > deadline:
       break
     time.sleep(0.5)
-  assert out.route == "prfaas" and out.tokens == reference(prompt, 8)
+  assert out.route == "prfaas" and out.tokens == reference(tuple(prompt), 8)
 
 
 def test_decode_sigkill_fails_requests_with_a_status_and_it_rejoins(cluster, client,
@@ -113,4 +106,4 @@ def test_decode_sigkill_fails_requests_with_a_status_and_it_rejoins(cluster, cli
       except GenerationError as err:  # until the broker's probe sees it back
         assert err.code.name == "UNAVAILABLE" and time.monotonic() < deadline, err
         time.sleep(0.3)
-    assert out.tokens == reference(prompt, 8)
+    assert out.tokens == reference(tuple(prompt), 8)

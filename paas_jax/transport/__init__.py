@@ -20,8 +20,8 @@ Decode side::
 from paas_jax.transport.counters import LinkCounters, LinkTransfer
 from paas_jax.transport.errors import TransferError
 from paas_jax.transport.flow import ByteBoundedQueue
-from paas_jax.transport.receiver import (ReceivedState, ReceiverOptions, ReceiverServer,
-                                         StateReceiver, TransferInfo, serve_receiver)
+from paas_jax.transport.receiver import ReceivedState, ReceiverOptions, StateReceiver, TransferInfo
+from paas_jax.transport.receiver_server import ReceiverServer, serve_receiver
 from paas_jax.transport.sender import (SenderOptions, StateSender, Transfer, TransferResult)
 from paas_jax.transport.timeline import (LayerTiming, ReceiveTimeline, TransferTimeline)
 

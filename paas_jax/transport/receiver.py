@@ -13,34 +13,38 @@ A transfer that fails for any reason (bad data past the retry limit, a
 stream that ends without StreamEnd because the sender died, an idle or total
 deadline, Abort) is removed at once: its staged bytes, restored layers and
 budget reservation are dropped, and nothing of it is ever handed over.
+
+Split: ``inbound`` (options, per-transfer state, ReceivedState), ``ingress``
+(gRPC Push and the data plane's frames into this receiver), this module
+(Begin, verification, Commit, failure and budgets) and ``receiver_server``
+(``serve_receiver``, which imports this one). ``paas_jax.transport`` exports
+the public names of all four.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import queue
-import ssl
 import threading
 import time
+import weakref
 from concurrent import futures
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping
 
 import grpc
 
 from paas_jax.codec import layout
-from paas_jax.codec.decode import (RestoreTemplate, ShardingsLike, assemble, check_template,
-                                   restore_from_store, restore_indexed_group)
+from paas_jax.codec.decode import assemble, check_template
 from paas_jax.codec.errors import CodecError
 from paas_jax.codec.manifest import GLOBAL_LAYER_INDEX, LayerEntry, StateManifest
 from paas_jax.codec.options import CodecOptions
-from paas_jax.codec.store import MemoryStore, crc32c
+from paas_jax.codec.store import crc32c
 from paas_jax.proto import transport_pb2, transport_pb2_grpc
-from paas_jax.transport import channels
-from paas_jax.transport.dataplane.interface import TransferRefused
-from paas_jax.transport.dataplane.server import DataPlaneServer
-from paas_jax.transport.dataplane.tuning import Tuning
+from paas_jax.transport.inbound import (Inbound, ReceivedState, ReceiverOptions, RpcRefused,
+                                        SenderClock, TemplateFn, TransferFailed, TransferInfo,
+                                        location, restore_layer)
+from paas_jax.transport.ingress import FrameIngress
 from paas_jax.transport.timeline import ReceiveTimeline
 
 log = logging.getLogger(__name__)
@@ -48,157 +52,7 @@ log = logging.getLogger(__name__)
 Code = grpc.StatusCode
 
 
-@dataclasses.dataclass(frozen=True)
-class ReceiverOptions:
-  """Limits of the decode side.
-
-  Attributes:
-    byte_budget: encoded bytes all in-progress transfers may hold together;
-      Begin (or a chunk past the reservation) beyond it gets RESOURCE_EXHAUSTED.
-    max_message_bytes: largest gRPC message accepted.
-    transfer_timeout_s: a transfer not committed this long after Begin fails
-      with DEADLINE_EXCEEDED.
-    idle_timeout_s: ... likewise when no frame arrived for this long (a hung
-      sender that keeps its connection open).
-    max_chunk_attempts: a chunk failing verification this many times fails
-      the transfer with DATA_LOSS.
-    restore_workers: threads restoring completed layers during the transfer.
-    reap_interval_s: how often deadlines are checked.
-    failures_kept: recent failed transfer ids remembered for late RPCs.
-  """
-
-  byte_budget: int = 4 << 30
-  max_message_bytes: int = channels.DEFAULT_MAX_MESSAGE_BYTES
-  transfer_timeout_s: float = 600.0
-  idle_timeout_s: float = 30.0
-  max_chunk_attempts: int = 4
-  restore_workers: int = 2
-  reap_interval_s: float = 0.1
-  failures_kept: int = 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class TransferInfo:
-  """What Begin announced."""
-
-  transfer_id: str
-  model_id: str
-  config_fingerprint: str
-  num_layers: int
-  token_count: int
-  codec: CodecOptions
-  peer: str
-
-
-# (template state, shardings) for a transfer: e.g.
-# lambda info: (abstract_state(cfg, 1, round_up(info.token_count + max_new)), None)
-TemplateFn = Callable[[TransferInfo], tuple[Any, ShardingsLike]]
-
-
-@dataclasses.dataclass
-class ReceivedState:
-  """A complete, verified state handed to the decode side.
-
-  Attributes:
-    info: what Begin announced.
-    manifest: the committed manifest.
-    state: the restored state when the receiver has a template, else None.
-    store: the verified encoded objects when it has none (restore with
-      ``restore``), else None.
-    timeline: the receiving side's timeline.
-  """
-
-  info: TransferInfo
-  manifest: StateManifest
-  state: Any | None
-  store: MemoryStore | None
-  timeline: ReceiveTimeline
-
-  def restore(self, like: Any, shardings: ShardingsLike = None) -> Any:
-    """Restores into ``like`` (and drops the encoded objects)."""
-    if self.state is not None:
-      return self.state
-    if self.store is None:
-      raise RuntimeError("state already restored or released")
-    try:
-      return restore_from_store(self.store, self.manifest, like, shardings)
-    finally:
-      self.release()
-
-  def release(self) -> None:
-    if self.store is not None:
-      self.store.close()
-      self.store = None
-
-
-class _Failed(Exception):
-  """Fails the whole transfer with this status."""
-
-  def __init__(self, code: grpc.StatusCode, message: str):
-    self.code, self.message = code, message
-    super().__init__(message)
-
-
-class _Refused(_Failed):
-  """Refuses one RPC but leaves the transfer as it is."""
-
-
-def _restore_layer(t: "_Inbound", store: MemoryStore, entry: LayerEntry, like: Any,
-                   shardings: ShardingsLike) -> dict[str, Any]:
-  """``restore_group``, reusing the transfer's indexed template."""
-  cached = t.template_index
-  if cached is None or cached[0] is not like or cached[1] is not shardings:
-    cached = (like, shardings, RestoreTemplate(like, shardings))
-    t.template_index = cached
-  return restore_indexed_group(store, entry, cached[2])
-
-
-class _Inbound:
-  """One transfer in progress. Guarded by its own lock (chunk handling) and
-  by the receiver's lock (registry and budget)."""
-
-  def __init__(self, info: TransferInfo, template, now: float, deadline: float):
-    self.info = info
-    self.template = template  # (like, shardings) or None
-    self.lock = threading.Lock()
-    self.begin_s = time.time()  # wall clock, for timelines
-    self.deadline = deadline  # monotonic
-    self.last_activity = now
-    self.status = "open"  # open | committing | done | failed
-    self.reserved = 0
-    self.held = 0
-    self.descriptors: dict[int, LayerEntry] = {}
-    self.expected: dict[int, dict[str, int]] = {}  # layer -> key -> crc32c
-    self.verified: dict[str, tuple[int, int]] = {}  # key -> (layer, crc32c)
-    self.pending: dict[str, bytes] = {}
-    self.flushed: set[int] = set()
-    self.store: MemoryStore | None = MemoryStore()
-    self.restores: dict[int, futures.Future] = {}
-    # (like, shardings, RestoreTemplate): the template indexed by leaf name once per
-    # transfer rather than once per restored layer.
-    self.template_index: tuple | None = None
-    self.attempts: collections.Counter = collections.Counter()
-    self.first_byte: float | None = None
-    self.last_byte: float | None = None
-    self.bytes_received = 0
-    self.chunks_received = 0
-    self.rejected = 0
-    self.layers_complete: dict[int, float] = {}
-
-  def timeline(self, status: str, ready: float | None = None) -> ReceiveTimeline:
-    return ReceiveTimeline(
-        transfer_id=self.info.transfer_id, status=status, begin_s=self.begin_s,
-        first_byte_s=self.first_byte, last_byte_s=self.last_byte, ready_s=ready,
-        bytes_received=self.bytes_received, chunks_received=self.chunks_received,
-        rejected_chunks=self.rejected, layers_complete_s=dict(self.layers_complete))
-
-
-def _location(layer: int, key: str) -> str:
-  where = "state-level arrays" if layer == GLOBAL_LAYER_INDEX else f"layer {layer}"
-  return f"{where}, chunk {key!r}"
-
-
-class StateReceiver(transport_pb2_grpc.StateTransferServicer):
+class StateReceiver(FrameIngress, transport_pb2_grpc.StateTransferServicer):
   """gRPC servicer of the decode process.
 
   Args:
@@ -206,8 +60,8 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
       for anything else is refused with FAILED_PRECONDITION.
     template: optional ``f(TransferInfo) -> (like, shardings)``; with it,
       layers are restored into device arrays while the transfer runs and
-      ``ReceivedState.state`` is set; without it, ``ReceivedState.store``
-      holds the verified objects.
+      ``ReceivedState.state`` is set; without it (or when it returns None
+      for a transfer), ``ReceivedState.store`` holds the verified objects.
     on_ready: called with each complete ``ReceivedState`` (in the Commit RPC's
       thread, before the sender is told the state arrived); default: put it
       into ``self.ready``.
@@ -227,7 +81,10 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
     self._on_ready = on_ready or self.ready.put
     self._on_failure = on_failure
     self._lock = threading.Lock()
-    self._active: dict[str, _Inbound] = {}
+    self._active: dict[str, Inbound] = {}
+    # sender_id -> its SenderClock, while a transfer of it holds the clock.
+    self._sender_clocks: weakref.WeakValueDictionary[str, SenderClock] = (
+        weakref.WeakValueDictionary())
     self._failures: collections.OrderedDict[str, tuple[grpc.StatusCode, str]] = (
         collections.OrderedDict())
     self._timelines: collections.OrderedDict[str, ReceiveTimeline] = collections.OrderedDict()
@@ -238,8 +95,10 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
     self._reaper = threading.Thread(target=self._reap_loop, name="state-rx-reaper",
                                     daemon=True)
     self._reaper.start()
-    # Set by serve_receiver when it also starts a TCP data plane.
+    # Set by serve_receiver when it also starts a TCP data plane (and lets it
+    # carry Begin / Commit).
     self.data_plane_port = 0
+    self.data_plane_control = False
 
   # -- introspection (scheduler, tests) ------------------------------------------
 
@@ -285,7 +144,7 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
       while len(d) > self.options.failures_kept:
         d.popitem(last=False)
 
-  def _release(self, t: _Inbound) -> None:
+  def _release(self, t: Inbound) -> None:
     # Caller holds self._lock. Drops every byte the transfer staged.
     self._reserved_total -= t.reserved
     t.reserved = 0
@@ -301,7 +160,7 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
     t.template_index = None
     self._active.pop(t.info.transfer_id, None)
 
-  def _fail(self, t: _Inbound, code: grpc.StatusCode, message: str) -> bool:
+  def _fail(self, t: Inbound, code: grpc.StatusCode, message: str) -> bool:
     with self._lock:
       if t.status in ("done", "failed"):
         return False
@@ -322,24 +181,24 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
     if t is not None:
       self._fail(t, code, message)
 
-  def _get(self, tid: str) -> _Inbound:
+  def _get(self, tid: str) -> Inbound:
     with self._lock:
       t = self._active.get(tid)
       if t is not None:
         return t
       failed = self._failures.get(tid)
     if failed is not None:
-      raise _Failed(failed[0], f"transfer {tid} already failed: {failed[1]}")
-    raise _Failed(Code.NOT_FOUND, f"no transfer {tid!r} in progress (never begun, "
+      raise TransferFailed(failed[0], f"transfer {tid} already failed: {failed[1]}")
+    raise TransferFailed(Code.NOT_FOUND, f"no transfer {tid!r} in progress (never begun, "
                                   "already committed, or reaped)")
 
-  def _reserve(self, t: _Inbound, nbytes: int) -> None:
+  def _reserve(self, t: Inbound, nbytes: int) -> None:
     """Grows the transfer's reservation to cover ``nbytes`` more held bytes."""
     with self._lock:
       need = t.held + nbytes - t.reserved
       if need > 0:
         if self._reserved_total + need > self.options.byte_budget:
-          raise _Failed(Code.RESOURCE_EXHAUSTED,
+          raise TransferFailed(Code.RESOURCE_EXHAUSTED,
                         f"receiver byte budget full: {self._reserved_total} of "
                         f"{self.options.byte_budget} bytes in use, transfer needs {need} more")
         t.reserved += need
@@ -355,139 +214,100 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
         if now > t.deadline:
           self._fail(t, Code.DEADLINE_EXCEEDED,
                      f"not committed within {self.options.transfer_timeout_s:g} s of Begin")
-        elif now - t.last_activity > self.options.idle_timeout_s:
+        elif now - t.idle_since() > self.options.idle_timeout_s:
+          # The sender's clock: a frame of any of its transfers keeps the others
+          # alive (one queued behind another's bytes on a slow link is not idle).
           self._fail(t, Code.DEADLINE_EXCEEDED,
-                     f"no frame for {self.options.idle_timeout_s:g} s (sender hung or gone)")
+                     f"no frame of this transfer or its sender for "
+                     f"{self.options.idle_timeout_s:g} s (sender hung or gone)")
 
   # -- RPCs --------------------------------------------------------------------------
 
   def Begin(self, request, context):
+    try:
+      return self._begin(request, context.peer())
+    except TransferFailed as e:
+      context.abort(e.code, e.message)
+
+  def _begin(self, request, peer: str) -> transport_pb2.BeginResponse:
+    """Begin over gRPC or the data plane. Raises TransferFailed."""
     tid = request.transfer_id
     if not tid:
-      context.abort(Code.INVALID_ARGUMENT, "Begin: empty transfer_id")
+      raise TransferFailed(Code.INVALID_ARGUMENT, "Begin: empty transfer_id")
     want = self.models.get(request.model_id)
     if want is None:
-      context.abort(Code.FAILED_PRECONDITION,
+      raise TransferFailed(Code.FAILED_PRECONDITION,
                     f"this decode process does not serve model {request.model_id!r} "
                     f"(serves {sorted(self.models)})")
     if want != request.config_fingerprint:
-      context.abort(Code.FAILED_PRECONDITION,
+      raise TransferFailed(Code.FAILED_PRECONDITION,
                     f"config fingerprint mismatch for model {request.model_id!r}: sender has "
                     f"{request.config_fingerprint}, this decode process has {want}")
     try:
       codec = CodecOptions.from_json(request.codec_json) if request.codec_json else CodecOptions()
     except (ValueError, TypeError) as e:
-      context.abort(Code.INVALID_ARGUMENT, f"Begin: bad codec_json: {e}")
+      raise TransferFailed(Code.INVALID_ARGUMENT, f"Begin: bad codec_json: {e}") from None
     info = TransferInfo(transfer_id=tid, model_id=request.model_id,
                         config_fingerprint=request.config_fingerprint,
                         num_layers=int(request.num_layers), token_count=int(request.token_count),
-                        codec=codec, peer=context.peer())
+                        codec=codec, peer=peer, sender_id=request.sender_id[:128])
     template = None
     if self.template is not None:
       try:
         template = self.template(info)
       except Exception as e:
-        context.abort(Code.FAILED_PRECONDITION, f"no decode template for this transfer: {e}")
+        raise TransferFailed(Code.FAILED_PRECONDITION,
+                      f"no decode template for this transfer: {e}") from None
+    if template is not None:  # None: keep this transfer's objects, restore nothing
       like_layers, _ = layout.split_state(template[0])
       if len(like_layers) != info.num_layers:
-        context.abort(Code.INVALID_ARGUMENT,
+        raise TransferFailed(Code.INVALID_ARGUMENT,
                       f"Begin announces {info.num_layers} layers, the decode model has "
                       f"{len(like_layers)}")
     now = time.monotonic()
-    t = _Inbound(info, template, now, now + self.options.transfer_timeout_s)
+    t = Inbound(info, template, now, now + self.options.transfer_timeout_s)
     with self._lock:
+      if info.sender_id:
+        clock = self._sender_clocks.get(info.sender_id)
+        if clock is None:
+          clock = self._sender_clocks[info.sender_id] = SenderClock(now)
+        t.sender_clock = clock
+        clock.last = now
       if tid in self._active or tid in self._failures or tid in self._timelines:
         t.store.close()
-        context.abort(Code.ALREADY_EXISTS, f"transfer id {tid!r} was already used")
+        raise TransferFailed(Code.ALREADY_EXISTS, f"transfer id {tid!r} was already used")
       reserve = int(request.reserve_bytes)
       if self._reserved_total + reserve > self.options.byte_budget:
         t.store.close()
-        context.abort(Code.RESOURCE_EXHAUSTED,
+        raise TransferFailed(Code.RESOURCE_EXHAUSTED,
                       f"receiver byte budget full: {self._reserved_total} of "
                       f"{self.options.byte_budget} bytes in use, transfer reserves {reserve}")
       t.reserved = reserve
       self._reserved_total += reserve
       self._active[tid] = t
     return transport_pb2.BeginResponse(max_frame_bytes=self.options.max_message_bytes,
-                                       data_plane_port=self.data_plane_port)
+                                       data_plane_port=self.data_plane_port,
+                                       data_plane_control=self.data_plane_control)
 
-  def Push(self, request_iterator, context):
-    t: _Inbound | None = None
-    chunks = nbytes = frames = 0
-    rejected: list[transport_pb2.ChunkStatus] = []
-    ended = False
-    try:
-      for frame in request_iterator:
-        body = frame.WhichOneof("body")
-        if body == "end":
-          if frame.end.frames != frames:
-            raise _Failed(Code.DATA_LOSS, f"stream carried {frames} frames, sender says "
-                                          f"{frame.end.frames}")
-          ended = True
-          break
-        frames += 1
-        msg = frame.chunk if body == "chunk" else frame.layer
-        if body not in ("chunk", "layer"):
-          raise _Failed(Code.INVALID_ARGUMENT, "empty frame")
-        if t is None:
-          t = self._get(msg.transfer_id)
-        elif msg.transfer_id != t.info.transfer_id:
-          raise _Failed(Code.INVALID_ARGUMENT, "one stream carries one transfer; got frames "
-                                               f"of {t.info.transfer_id} and {msg.transfer_id}")
-        if t.status == "failed":
-          raise _Failed(*(self.failure(t.info.transfer_id)
-                          or (Code.ABORTED, "transfer failed")))
-        t.last_activity = time.monotonic()
-        if body == "layer":
-          self._on_descriptor(t, frame.layer)
-        else:
-          reason, size = self._on_chunk(t, frame.chunk)
-          if reason is None:
-            chunks += 1
-            nbytes += size
-          else:
-            rejected.append(transport_pb2.ChunkStatus(
-                layer_index=frame.chunk.layer_index, key=frame.chunk.key, reason=reason))
-    except _Failed as e:
-      if t is not None:
-        self._fail(t, e.code, e.message)
-      context.abort(e.code, e.message)
-    except grpc.RpcError:
-      # The request iterator raises when the client goes away mid-stream.
-      pass
-    if not ended:
-      if t is not None:
-        self._fail(t, Code.CANCELLED, "a Push stream ended without StreamEnd (sender died, "
-                                      "was cancelled, or lost its connection)")
-      context.abort(Code.CANCELLED, "stream ended without StreamEnd")
-    return transport_pb2.PushSummary(chunks=chunks, bytes=nbytes, rejected=rejected)
-
-  def _on_descriptor(self, t: _Inbound, msg) -> None:
-    try:
-      entry = LayerEntry.from_json(msg.layer_json)
-    except (ValueError, KeyError, TypeError) as e:
-      raise _Failed(Code.INVALID_ARGUMENT, f"layer {msg.layer_index}: bad descriptor: {e}")
-    self._adopt_descriptor(t, entry, msg.layer_index)
-
-  def _adopt_descriptor(self, t: _Inbound, entry: LayerEntry, layer_index: int) -> None:
+  def _adopt_descriptor(self, t: Inbound, entry: LayerEntry, layer_index: int) -> None:
     if entry.index != layer_index:
-      raise _Failed(Code.INVALID_ARGUMENT,
+      raise TransferFailed(Code.INVALID_ARGUMENT,
                     f"descriptor of layer {entry.index} sent as layer {layer_index}")
     if not GLOBAL_LAYER_INDEX <= entry.index < t.info.num_layers:
-      raise _Failed(Code.INVALID_ARGUMENT, f"layer {entry.index} outside the "
+      raise TransferFailed(Code.INVALID_ARGUMENT, f"layer {entry.index} outside the "
                                            f"{t.info.num_layers} layers announced by Begin")
     if t.template is not None and entry.index != GLOBAL_LAYER_INDEX:
       like_layers, _ = layout.split_state(t.template[0])
       want = layout.layer_kind(like_layers[entry.index])
       if want != entry.kind:
-        raise _Failed(Code.INVALID_ARGUMENT, f"layer {entry.index} is {entry.kind} at the "
+        raise TransferFailed(Code.INVALID_ARGUMENT, f"layer {entry.index} is {entry.kind} at the "
                                              f"sender but {want} in the decode model")
     with t.lock:
       old = t.descriptors.get(entry.index)
       if old == entry:
         return
       if old is not None and entry.index in t.flushed:
-        raise _Failed(Code.INVALID_ARGUMENT,
+        raise TransferFailed(Code.INVALID_ARGUMENT,
                       f"layer {entry.index} changed after all its chunks had arrived")
       t.descriptors[entry.index] = entry
       expected = {c.key: c.crc32c for _, c in entry.chunks()}
@@ -504,12 +324,7 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
           t.held -= dropped
     self._maybe_complete(t, entry.index)
 
-  def _on_chunk(self, t: _Inbound, c) -> tuple[str | None, int]:
-    """Stores a chunk if it verifies; returns (why it was rejected or None, bytes)."""
-    # Every access to a protobuf bytes field copies it: read it once.
-    return self._accept_chunk(t, c.layer_index, c.key, c.crc32c, c.nbytes, c.data)
-
-  def _accept_chunk(self, t: _Inbound, layer: int, key: str, crc: int, nbytes: int,
+  def _accept_chunk(self, t: Inbound, layer: int, key: str, crc: int, nbytes: int,
                     data) -> tuple[str | None, int]:
     """Verifies one object (gRPC frame or data-plane buffer) and keeps ``data``."""
     reason = None
@@ -539,13 +354,14 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
         t.attempts[key] += 1
         t.rejected += 1
         if t.attempts[key] >= self.options.max_chunk_attempts:
-          raise _Failed(Code.DATA_LOSS, f"{_location(layer, key)} failed verification "
+          raise TransferFailed(Code.DATA_LOSS, f"{location(layer, key)} failed verification "
                                         f"{t.attempts[key]} times; last: {reason}")
         return reason, len(data)
       if key in t.verified:
         return None, 0  # A resend of something that already arrived intact.
       if t.status == "failed":
-        raise _Failed(*(self.failure(t.info.transfer_id) or (Code.ABORTED, "transfer failed")))
+        raise TransferFailed(*(self.failure(t.info.transfer_id)
+                               or (Code.ABORTED, "transfer failed")))
       self._reserve(t, len(data))
       now = time.time()
       t.verified[key] = (layer, crc)
@@ -557,44 +373,7 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
     self._maybe_complete(t, layer)
     return None, len(data)
 
-  # -- data plane (paas_jax.transport.dataplane.interface.FrameSink) ------------------
-
-  @property
-  def max_frame_bytes(self) -> int:
-    return self.options.max_message_bytes
-
-  def plane_lookup(self, transfer_id: str) -> _Inbound:
-    try:
-      t = self._get(transfer_id)
-    except _Failed as e:
-      raise TransferRefused(e.code, e.message) from None
-    if t.status == "failed":
-      code, message = self.failure(transfer_id) or (Code.ABORTED, "transfer failed")
-      raise TransferRefused(code, message)
-    return t
-
-  def plane_descriptor(self, t: _Inbound, layer: int, layer_json: str) -> None:
-    t.last_activity = time.monotonic()
-    try:
-      try:
-        entry = LayerEntry.from_json(layer_json)
-      except (ValueError, KeyError, TypeError) as e:
-        raise _Failed(Code.INVALID_ARGUMENT, f"layer {layer}: bad descriptor: {e}")
-      self._adopt_descriptor(t, entry, layer)
-    except _Failed as e:
-      self._fail(t, e.code, e.message)
-      raise TransferRefused(e.code, e.message) from None
-
-  def plane_chunk(self, t: _Inbound, layer: int, key: str, crc: int, data) -> str | None:
-    t.last_activity = time.monotonic()
-    try:
-      reason, _ = self._accept_chunk(t, layer, key, crc, len(data), data)
-    except _Failed as e:
-      self._fail(t, e.code, e.message)
-      raise TransferRefused(e.code, e.message) from None
-    return None if reason is None else f"{_location(layer, key)}: {reason}"
-
-  def _maybe_complete(self, t: _Inbound, layer: int) -> None:
+  def _maybe_complete(self, t: Inbound, layer: int) -> None:
     """Moves a fully verified layer into the store and starts restoring it."""
     with t.lock:
       entry = t.descriptors.get(layer)
@@ -609,25 +388,33 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
       t.layers_complete[layer] = time.time()
       if t.template is not None and t.status != "failed":
         like, shardings = t.template
-        t.restores[layer] = self._pool.submit(_restore_layer, t, t.store, entry, like,
+        t.restores[layer] = self._pool.submit(restore_layer, t, t.store, entry, like,
                                               shardings)
 
   def Commit(self, request, context):
+    try:
+      return self._commit(request)
+    except TransferFailed as e:
+      context.abort(e.code, e.message)
+
+  def _commit(self, request) -> transport_pb2.CommitResponse:
+    """Commit over gRPC or the data plane. Raises TransferFailed (the transfer failed
+    unless it is a RpcRefused)."""
     t = None
     try:
       t = self._get(request.transfer_id)
       try:
         manifest = StateManifest.from_json(request.manifest_json)
       except (ValueError, KeyError, TypeError) as e:
-        raise _Failed(Code.INVALID_ARGUMENT, f"Commit: bad manifest: {e}")
+        raise TransferFailed(Code.INVALID_ARGUMENT, f"Commit: bad manifest: {e}") from None
       info = t.info
       if (manifest.model_id, manifest.config_fingerprint) != (info.model_id,
                                                               info.config_fingerprint):
-        raise _Failed(Code.FAILED_PRECONDITION,
+        raise TransferFailed(Code.FAILED_PRECONDITION,
                       f"manifest is for {manifest.model_id!r}/{manifest.config_fingerprint}, "
                       f"Begin announced {info.model_id!r}/{info.config_fingerprint}")
       if len(manifest.layers) != info.num_layers:
-        raise _Failed(Code.INVALID_ARGUMENT, f"manifest has {len(manifest.layers)} layers, "
+        raise TransferFailed(Code.INVALID_ARGUMENT, f"manifest has {len(manifest.layers)} layers, "
                                              f"Begin announced {info.num_layers}")
       for group in manifest.groups:
         self._adopt_descriptor(t, group, group.index)
@@ -638,13 +425,13 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
         if missing:
           return transport_pb2.CommitResponse(complete=False, missing=missing)
         if t.status != "open":
-          raise _Refused(Code.FAILED_PRECONDITION, f"transfer is already {t.status}")
+          raise RpcRefused(Code.FAILED_PRECONDITION, f"transfer is already {t.status}")
         t.status = "committing"
       state, store = self._finish_restore(t, manifest)
-    except _Failed as e:
-      if t is not None and not isinstance(e, _Refused):
+    except TransferFailed as e:
+      if t is not None and not isinstance(e, RpcRefused):
         self._fail(t, e.code, e.message)
-      context.abort(e.code, e.message)
+      raise
     ready = time.time()
     with self._lock:
       timeline = t.timeline("ok", ready)
@@ -660,10 +447,10 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
     except Exception as e:
       log.exception("on_ready callback raised")
       received.release()
-      context.abort(Code.INTERNAL, f"decode side rejected the state: {e}")
+      raise RpcRefused(Code.INTERNAL, f"decode side rejected the state: {e}") from None
     return transport_pb2.CommitResponse(complete=True, receiver_ready_s=ready - t.begin_s)
 
-  def _finish_restore(self, t: _Inbound, manifest: StateManifest):
+  def _finish_restore(self, t: Inbound, manifest: StateManifest):
     for group in manifest.groups:
       self._maybe_complete(t, group.index)
     if t.template is None:
@@ -676,9 +463,9 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
         restored.update(t.restores[group.index].result())
       return assemble(like, restored), None
     except (CodecError, KeyError, ValueError) as e:
-      raise _Failed(Code.INVALID_ARGUMENT, f"state does not fit the decode model: {e}")
+      raise TransferFailed(Code.INVALID_ARGUMENT, f"state does not fit the decode model: {e}")
     except Exception as e:
-      raise _Failed(Code.DATA_LOSS, f"restoring the verified state failed: {e!r}")
+      raise TransferFailed(Code.DATA_LOSS, f"restoring the verified state failed: {e!r}")
 
   def Abort(self, request, context):
     with self._lock:
@@ -688,68 +475,4 @@ class StateReceiver(transport_pb2_grpc.StateTransferServicer):
     return transport_pb2.AbortResponse(existed=existed)
 
 
-@dataclasses.dataclass
-class ReceiverServer:
-  """A running gRPC server hosting a ``StateReceiver`` (and its data plane, if any)."""
-
-  server: grpc.Server
-  receiver: StateReceiver
-  port: int
-  address: str
-  data_plane: DataPlaneServer | None = None
-
-  @property
-  def target(self) -> str:
-    return self.address
-
-  def stop(self, grace: float | None = 1.0) -> None:
-    if self.data_plane is not None:
-      self.data_plane.close()
-    self.server.stop(grace).wait()
-    self.receiver.close()
-
-
-def serve_receiver(receiver: StateReceiver, address: str = "127.0.0.1:0", *,
-                   credentials: grpc.ServerCredentials | None = None,
-                   max_workers: int = 32,
-                   maximum_concurrent_rpcs: int | None = None,
-                   interceptors=(), data_plane: bool = False,
-                   data_ssl: ssl.SSLContext | None = None,
-                   data_peers: Sequence[str] | None = None,
-                   data_tuning: Tuning | None = None,
-                   data_host: str | None = None) -> ReceiverServer:
-  """Starts a gRPC server for ``receiver`` on ``address`` (port 0: any free port).
-
-  ``credentials`` (e.g. ``grpc.ssl_server_credentials`` with client-cert
-  checking for mTLS) secures the port; None serves plaintext. ``interceptors``
-  (e.g. ``paas_jax.security.PeerIdentityInterceptor``: only prefill servers
-  may push states) run before the servicer.
-
-  ``data_plane``: also listen for the TCP data plane on the same host (any
-  free port, announced in BeginResponse). ``data_ssl``
-  (``dataplane.tls.server_context``) secures it, with ``data_peers`` the
-  patterns the senders' certificate names must match; a TLS gRPC port with
-  a plaintext data plane is refused (plaintext only behind --insecure).
-  ``data_host``: bind the data plane there instead of the gRPC port's host
-  (e.g. another loopback address, so that a WAN relay can listen on the
-  announced port number at the host senders dial).
-  """
-  if data_plane and credentials is not None and data_ssl is None:
-    raise ValueError("serve_receiver: the gRPC port uses TLS but the data plane has no "
-                     "data_ssl; plaintext data planes exist only for --insecure deployments")
-  server = channels.make_server(max_workers=max_workers,
-                                max_message_bytes=receiver.options.max_message_bytes,
-                                maximum_concurrent_rpcs=maximum_concurrent_rpcs,
-                                interceptors=interceptors)
-  transport_pb2_grpc.add_StateTransferServicer_to_server(receiver, server)
-  port = channels.add_port(server, address, credentials)
-  host = address.rsplit(":", 1)[0]
-  plane = None
-  if data_plane:
-    plane = DataPlaneServer(receiver, data_host or host.strip("[]") or "0.0.0.0", 0,
-                            ssl_context=data_ssl,
-                            peer_patterns=data_peers, tuning=data_tuning or Tuning())
-    receiver.data_plane_port = plane.port
-  server.start()
-  return ReceiverServer(server=server, receiver=receiver, port=port, address=f"{host}:{port}",
-                        data_plane=plane)
+__all__ = ["ReceivedState", "ReceiverOptions", "StateReceiver", "TemplateFn", "TransferInfo"]

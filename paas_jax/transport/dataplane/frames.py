@@ -3,7 +3,8 @@
 Sender -> receiver, one frame::
 
   FRAME header (40 bytes, little endian)
-    magic  b"PJDP"    version u8   kind u8 (CHUNK | DESCRIPTOR)   tid_len u16
+    magic  b"PJDP"    version u8   kind u8 (CHUNK | DESCRIPTOR | BEGIN | COMMIT)
+    tid_len u16
     seq    u32        (per connection; echoed by the reply)
     layer  i32        (-1: state-level arrays)
     crc32c u32        (of the payload; 0 for descriptors)
@@ -11,16 +12,27 @@ Sender -> receiver, one frame::
   transfer id (tid_len bytes, utf-8) | object key (key_len bytes, utf-8) | payload
 
 A CHUNK's payload is one stored object (a zarr3 chunk or metadata blob); a
-DESCRIPTOR's is the layer's ``LayerEntry`` JSON. Receiver -> sender, one
-reply per frame, in order::
+DESCRIPTOR's is the layer's ``LayerEntry`` JSON. BEGIN and COMMIT carry the
+serialized ``BeginRequest`` / ``CommitRequest`` of the gRPC control protocol
+(crc32c of the payload in the header), so that a sender holding long-lived
+connections opens and commits a transfer without a gRPC round trip; only a
+receiver that announced ``BeginResponse.data_plane_control`` accepts them.
+Receiver -> sender, in frame order::
 
   REPLY header (16 bytes): magic b"PJDR" | seq u32 | code u16 | kind u8 | pad u8 |
-                           msg_len u32, then msg_len bytes of utf-8 text
+                           msg_len u32, then msg_len bytes
 
-``code`` is a gRPC status code value; kind ACK (stored or already held),
-NACK (the frame was read but rejected, e.g. a crc32c mismatch: ``msg`` names
-the layer and chunk; resend it) or ERROR (``code`` says why: the transfer
-failed, or the connection broke the protocol and is closed after the reply).
+``code`` is a gRPC status code value; kind
+  ACKS   every frame up to and including ``seq`` is stored (or already held):
+         one cumulative reply for a run of frames (the receiver sends it when
+         its input runs dry or ``ACK_EVERY_*`` is reached);
+  ACK    that one frame is stored;
+  NACK   the frame was read but rejected (e.g. a crc32c mismatch: ``msg``
+         names the layer and chunk; resend it);
+  RESULT the control frame succeeded; ``msg`` is the serialized
+         ``BeginResponse`` / ``CommitResponse`` (binary, up to MAX_RESULT_BYTES);
+  ERROR  ``code`` says why (utf-8 ``msg``): the transfer failed, or the
+         connection broke the protocol and is closed after the reply.
 """
 
 from __future__ import annotations
@@ -32,21 +44,34 @@ import grpc
 
 MAGIC = b"PJDP"
 REPLY_MAGIC = b"PJDR"
-VERSION = 1
+VERSION = 2  # 2: BEGIN / COMMIT frames, ACKS and RESULT replies
 
 CHUNK = 1
 DESCRIPTOR = 2
-KINDS = (CHUNK, DESCRIPTOR)
+BEGIN = 3
+COMMIT = 4
+KINDS = (CHUNK, DESCRIPTOR, BEGIN, COMMIT)
+CONTROL_KINDS = (BEGIN, COMMIT)
 
 ACK = 1
 NACK = 2
 ERROR = 3
+RESULT = 4
+ACKS = 5
+REPLY_KINDS = (ACK, NACK, ERROR, RESULT, ACKS)
+
+# The receiver acknowledges a run of frames with one ACKS reply when its input
+# runs dry, or after this many frames / payload bytes (so that the sender's
+# window keeps sliding while frames stream in back to back).
+ACK_EVERY_FRAMES = 64
+ACK_EVERY_BYTES = 256 << 10
 
 HEADER = struct.Struct("<4sBBHIiIIQI")
 REPLY = struct.Struct("<4sIHBBI")
 MAX_TID_BYTES = 256
 MAX_KEY_BYTES = 4096
 MAX_REPLY_MESSAGE = 64 << 10
+MAX_RESULT_BYTES = 16 << 20
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -102,6 +127,17 @@ def pack_reply(seq: int, kind: int, code: grpc.StatusCode = grpc.StatusCode.OK,
   return REPLY.pack(REPLY_MAGIC, seq, code.value[0], kind, 0, len(text)) + text
 
 
+def pack_result(seq: int, body: bytes) -> bytes:
+  """A RESULT reply: ``body`` is a serialized response message."""
+  if len(body) > MAX_RESULT_BYTES:
+    raise ValueError(f"control result of {len(body)} bytes exceeds {MAX_RESULT_BYTES}")
+  return REPLY.pack(REPLY_MAGIC, seq, grpc.StatusCode.OK.value[0], RESULT, 0, len(body)) + body
+
+
+def reply_body_limit(kind: int) -> int:
+  return MAX_RESULT_BYTES if kind == RESULT else MAX_REPLY_MESSAGE
+
+
 def recv_exact(sock: socket.socket, view: memoryview, waitall: bool) -> None:
   """Fills ``view`` from ``sock`` (``recv_into``, no intermediate buffer).
 
@@ -125,7 +161,7 @@ def read_reply(sock: socket.socket, waitall: bool) -> tuple[int, int, grpc.Statu
   raw = bytearray(REPLY.size)
   recv_exact(sock, memoryview(raw), waitall)
   magic, seq, code, kind, _, msg_len = REPLY.unpack(raw)
-  if magic != REPLY_MAGIC or kind not in (ACK, NACK, ERROR) or msg_len > MAX_REPLY_MESSAGE:
+  if magic != REPLY_MAGIC or kind not in REPLY_KINDS or msg_len > reply_body_limit(kind):
     raise ProtocolError(grpc.StatusCode.INTERNAL, "malformed reply from the data-plane receiver")
   text = bytearray(msg_len)
   if msg_len:

@@ -46,6 +46,14 @@ class FrameSink(Protocol):
     why it was rejected (the sender resends it), or None when it is kept.
     Raises TransferRefused when the transfer fails."""
 
+  def plane_begin(self, request: bytes, peer: str) -> bytes:
+    """A serialized ``BeginRequest`` arrived (BEGIN frame); returns the
+    serialized ``BeginResponse``. Raises TransferRefused with Begin's status."""
+
+  def plane_commit(self, request: bytes) -> bytes:
+    """A serialized ``CommitRequest`` arrived (COMMIT frame); returns the
+    serialized ``CommitResponse``. Raises TransferRefused with Commit's status."""
+
 
 class SenderStream(Protocol):
   """One transfer's bytes on a sending data plane (``LaneStream``)."""

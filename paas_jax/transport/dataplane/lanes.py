@@ -8,8 +8,11 @@ Each ``Lane`` runs two threads for its whole life: a writer that takes the
 attached stream's next frame and writes header and payload with one
 ``sendmsg`` over memoryviews of the encoded buffers (no user-space copy; on
 TLS, ``send`` of the same views), and a reader that matches the receiver's
-in-order replies to the frames outstanding. At most ``window_bytes`` are
-outstanding per lane: that, not the socket buffer, bounds what a receiver
+in-order replies (one ACKS per run of stored frames, NACK, RESULT, ERROR)
+to the frames outstanding. Both go through one
+``sockio.LaneSocket``, which serialises the TLS calls (OpenSSL connections
+are not thread-safe) and closes the socket only once both threads ended.
+At most ``window_bytes`` are outstanding per lane: that, not the socket buffer, bounds what a receiver
 that stops reading can make the sender hold. A lane with frames outstanding
 and no reply for ``stall_timeout_s``, or whose socket fails, dies: its
 outstanding frames go back to their stream for the other lanes.
@@ -26,12 +29,18 @@ import time
 
 import grpc
 
-from paas_jax.transport.dataplane import frames, tuning as tuning_lib
+from paas_jax.transport.dataplane import frames, sockio, tuning as tuning_lib
 from paas_jax.transport.dataplane.streams import Outgoing
 from paas_jax.transport.errors import TransferError
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
+
+
+# Frames queued together leave in one write (one sendmsg of all their views;
+# on TLS one record) up to these bounds; a ~1 MiB chunk always goes alone.
+BATCH_FRAMES = 64
+BATCH_BYTES = 256 << 10
 
 
 class LaneDead(Exception):
@@ -45,7 +54,8 @@ class Lane:
                tuning: tuning_lib.Tuning, fault_hook=None):
     self.sock = sock
     self.index = index
-    self.tls = isinstance(sock, ssl.SSLSocket)
+    self.io = sockio.LaneSocket(sock, tuning.io_timeout_s)
+    self.tls = self.io.tls
     self._window = max(int(window_bytes), 1)
     self._tuning = tuning
     self._fault_hook = fault_hook
@@ -58,10 +68,10 @@ class Lane:
     self.dead: BaseException | None = None
     self.frames_sent = 0
     self.bytes_sent = 0
-    sock.settimeout(tuning.io_timeout_s)
-    self._writer = threading.Thread(target=self._write_loop, daemon=True,
+    self._threads_running = 2  # the last one to end closes the socket
+    self._writer = threading.Thread(target=self._run, args=(self._write_loop,), daemon=True,
                                     name=f"dp-lane{index}-tx")
-    self._reader = threading.Thread(target=self._read_loop, daemon=True,
+    self._reader = threading.Thread(target=self._run, args=(self._read_loop,), daemon=True,
                                     name=f"dp-lane{index}-rx")
     self._writer.start()
     self._reader.start()
@@ -98,6 +108,21 @@ class Lane:
   def close(self, why: str = "closed") -> None:
     self._die(LaneDead(why))
 
+  def _run(self, loop) -> None:
+    try:
+      loop()
+    except BaseException as e:  # a bug: the lane must still die and free its socket
+      self._die(e)
+      raise
+    finally:
+      with self._cv:
+        self._threads_running -= 1
+        last = self._threads_running == 0
+      if last:
+        # Both threads only end once the lane is dead; now no thread can be
+        # inside a call on the descriptor, so its number may be reused.
+        self.io.close()
+
   # -- writer ----------------------------------------------------------------------------
 
   def _write_loop(self) -> None:
@@ -109,11 +134,13 @@ class Lane:
       if stream is None:
         return
       while self.dead is None:
-        item = stream.next_item(self)
-        if item is None:
+        with self._cv:
+          room = self._window - self._unacked_bytes
+        items = stream.next_items(self, room, BATCH_FRAMES, BATCH_BYTES)
+        if not items:
           break
         try:
-          self._send(item)
+          self._send(items)
         except LaneDead:
           return
         except (OSError, ValueError) as e:
@@ -123,49 +150,52 @@ class Lane:
         while self._stream is stream and self.dead is None:
           self._cv.wait(0.5)
 
-  def _send(self, item: Outgoing) -> None:
-    stream = item.stream
-    size = item.nbytes
+  def _send(self, items: list[Outgoing]) -> None:
+    """Writes ``items`` (one stream's, within the window unless it is one
+    frame, which may wait for room) with one write."""
+    stream = items[0].stream
+    size = sum(item.nbytes for item in items)
     with self._cv:
       while (self.dead is None and self._unacked
              and self._unacked_bytes + size > self._window):
         self._cv.wait(self._tuning.io_timeout_s)
         self._check_stall_locked()
-      if self.dead is not None:
-        items = [item]
-        dead = self.dead
-      else:
-        items = None
-        self._seq = (self._seq + 1) & 0xFFFFFFFF
-        seq = self._seq
+      dead = self.dead
+      if dead is None:
         if not self._unacked:
           self._last_progress = time.monotonic()
-        self._unacked[seq] = item
+        seqs = []
+        for item in items:
+          self._seq = (self._seq + 1) & 0xFFFFFFFF
+          seqs.append(self._seq)
+          self._unacked[self._seq] = item
         self._unacked_bytes += size
-    if items is not None:
+    if dead is not None:
       stream.lane_died(self, items, dead)
       raise LaneDead()
-    header = frames.pack_header(item.kind, seq, stream.tid, item.layer, item.key.encode(),
-                                item.crc, size, item.attempt)
-    payload = item.payload
-    if self._fault_hook is not None:
-      payload = self._fault_hook(self, item, payload)
-    self._write([memoryview(header), payload], stream)
-    self.frames_sent += 1
+    views = []
+    for item, seq in zip(items, seqs):
+      views.append(memoryview(frames.pack_header(item.kind, seq, stream.tid, item.layer,
+                                                 item.key.encode(), item.crc, item.nbytes,
+                                                 item.attempt)))
+      payload = item.payload
+      if self._fault_hook is not None:
+        payload = self._fault_hook(self, item, payload)
+      views.append(payload)
+    if self.tls and len(items) > 1:
+      # TLS writes one view per call: small frames go as one record instead.
+      views = [memoryview(b"".join(views))]
+    self._write(views, stream)
+    self.frames_sent += len(items)
     self.bytes_sent += size
-    stream.sent(item)
+    for item in items:
+      stream.sent(item)
 
   def _write(self, views: list[memoryview], stream) -> None:
     """Writes every byte of ``views`` (retrying partial writes and timeouts)."""
     views = [v for v in views if len(v)]
     while views:
-      try:
-        if self.tls:
-          n = self.sock.send(views[0])
-        else:
-          n = self.sock.sendmsg(views)
-      except socket.timeout:
-        n = 0
+      n = self.io.send(views)
       if self.dead is not None:
         raise LaneDead()
       if n == 0:
@@ -188,10 +218,7 @@ class Lane:
     # The receiver may have refused the connection with a reply (ERROR) just
     # before closing it: let the reader find that reply, so the transfer
     # fails with the receiver's reason rather than "broken pipe".
-    try:
-      self.sock.shutdown(socket.SHUT_WR)
-    except OSError:
-      pass
+    self.io.shutdown(socket.SHUT_WR)
     deadline = time.monotonic() + 2.0
     with self._cv:
       while self.dead is None and time.monotonic() < deadline:
@@ -203,9 +230,8 @@ class Lane:
   def _recv(self, view: memoryview) -> None:
     n = 0
     while n < len(view):
-      try:
-        got = self.sock.recv_into(view[n:])
-      except socket.timeout:
+      got = self.io.recv_into(view[n:])
+      if got is None:  # nothing within io_timeout_s
         if self.dead is not None:
           raise LaneDead()
         with self._cv:
@@ -221,12 +247,17 @@ class Lane:
       while self.dead is None:
         self._recv(memoryview(head))
         magic, seq, code, kind, _, msg_len = frames.REPLY.unpack(head)
-        if magic != frames.REPLY_MAGIC or msg_len > frames.MAX_REPLY_MESSAGE:
+        if (magic != frames.REPLY_MAGIC or kind not in frames.REPLY_KINDS
+            or msg_len > frames.reply_body_limit(kind)):
           raise frames.ProtocolError(Code.INTERNAL, "malformed reply from the receiver")
-        text = bytearray(msg_len)
+        body = bytearray(msg_len)
         if msg_len:
-          self._recv(memoryview(text))
-        message = text.decode("utf-8", "replace")
+          self._recv(memoryview(body))
+        if kind == frames.ACKS:
+          for item in self._pop_through(seq):
+            item.stream.acked(item)
+          continue
+        message = "" if kind == frames.RESULT else body.decode("utf-8", "replace")
         status = frames.status_code(code)
         with self._cv:
           item = self._unacked.pop(seq, None)
@@ -242,6 +273,8 @@ class Lane:
           stream.acked(item)
         elif kind == frames.NACK:
           stream.nacked(item, message)
+        elif kind == frames.RESULT:
+          stream.result(item, bytes(body))
         else:
           stream.fail(TransferError(status, message, stream.transfer_id))
     except LaneDead:
@@ -250,6 +283,23 @@ class Lane:
       self._die(e)
     except (OSError, ValueError, frames.PeerClosed) as e:
       self._die(e)
+
+  def _pop_through(self, seq: int) -> list[Outgoing]:
+    """The outstanding frames up to and including ``seq`` (an ACKS reply), oldest first."""
+    with self._cv:
+      if seq not in self._unacked:
+        raise frames.ProtocolError(Code.INTERNAL, f"receiver acknowledged frame {seq}, which "
+                                   "is not outstanding on this connection")
+      out = []
+      while True:
+        got, item = self._unacked.popitem(last=False)
+        self._unacked_bytes -= item.nbytes
+        out.append(item)
+        if got == seq:
+          break
+      self._last_progress = time.monotonic()
+      self._cv.notify_all()
+    return out
 
   # -- death -----------------------------------------------------------------------------
 
@@ -272,14 +322,8 @@ class Lane:
       stream = self._stream
       self._stream = None
       self._cv.notify_all()
-    try:
-      self.sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-      pass
-    try:
-      self.sock.close()
-    except OSError:
-      pass
+    # Wakes both threads; the last one to end closes the socket (see _run).
+    self.io.shutdown(socket.SHUT_RDWR)
     by_stream: dict[int, tuple] = {}
     for item in items:
       by_stream.setdefault(id(item.stream), (item.stream, []))[1].append(item)
@@ -373,6 +417,12 @@ class LanePool:
   def lanes(self) -> list[Lane]:
     with self._lock:
       return [l for l in self._all if l.alive]
+
+  def warm(self) -> bool:
+    """Whether an idle live connection is waiting (a transfer may then send its
+    Begin over it instead of over gRPC: its receiver was reachable just now)."""
+    with self._lock:
+      return any(l.alive for l in self._idle)
 
   def retransmits(self) -> int:
     """TCP retransmissions over the live connections (Linux TCP_INFO)."""

@@ -1,7 +1,11 @@
 """Receiving side of the TCP data plane: a listener beside the gRPC port.
 
-Every accepted connection gets a thread that reads frames and answers each
-with one reply (ACK, NACK with the reason, or ERROR with a gRPC status code).
+Every accepted connection gets a thread that reads frames and answers them
+in order: stored frames with one cumulative ACKS per run (sent when the
+input runs dry or every ``frames.ACK_EVERY_*``), a rejected one with NACK and
+the reason, a failed transfer with ERROR and its gRPC status code. BEGIN and
+COMMIT frames (when ``control``) run the receiver's Begin / Commit and are
+answered with the serialized response (RESULT).
 A chunk's payload is read with ``recv_into`` straight into the buffer that
 the decode side keeps (no copy between the socket and the restore). The
 connection outlives transfers: the sender reuses it for the next one.
@@ -19,6 +23,7 @@ PERMISSION_DENIED).
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -27,7 +32,8 @@ from typing import Sequence
 
 import grpc
 
-from paas_jax.transport.dataplane import frames, tls as tls_lib, tuning as tuning_lib
+from paas_jax.codec.store import crc32c
+from paas_jax.transport.dataplane import frames, sockio, tls as tls_lib, tuning as tuning_lib
 from paas_jax.transport.dataplane.interface import FrameSink, TransferRefused
 
 log = logging.getLogger(__name__)
@@ -44,13 +50,16 @@ class DataPlaneServer:
     peer_patterns: fnmatch patterns the sender's certificate names must
       match (TLS only; None: any peer with a certificate from the CA).
     tuning: socket settings.
+    control: accept BEGIN / COMMIT frames (the sink's ``plane_begin`` /
+      ``plane_commit``); False answers them UNIMPLEMENTED.
   """
 
   def __init__(self, sink: FrameSink, host: str = "127.0.0.1", port: int = 0, *,
                ssl_context: ssl.SSLContext | None = None,
                peer_patterns: Sequence[str] | None = None,
-               tuning: tuning_lib.Tuning = tuning_lib.Tuning()):
+               tuning: tuning_lib.Tuning = tuning_lib.Tuning(), control: bool = True):
     self.sink = sink
+    self.control = control
     self.ssl_context = ssl_context
     self.peer_patterns = None if peer_patterns is None else tuple(peer_patterns)
     self.tuning = tuning
@@ -62,6 +71,8 @@ class DataPlaneServer:
     self._closed = False
     self.refused = 0  # connections or frames refused (metrics, tests)
     self.connections_total = 0
+    self.frames_total = 0  # frames read and replies written (tests: replies are batched)
+    self.replies_total = 0
     self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
                                       name="dp-accept")
     self._accepter.start()
@@ -84,10 +95,9 @@ class DataPlaneServer:
     except OSError:
       pass
     for c in conns:
-      try:
-        c.shutdown(socket.SHUT_RDWR)
-      except OSError:
-        pass
+      # The kernel's shutdown only: each connection's own thread reads on
+      # and closes it (SSLSocket.shutdown would drop its TLS state under it).
+      sockio.shutdown(c)
     self._accepter.join(timeout=5)
 
   def _accept_loop(self) -> None:
@@ -127,7 +137,7 @@ class DataPlaneServer:
           self._conns.discard(raw)
           self._conns.add(sock)
       sock.settimeout(None)
-      self._frames(sock, waitall=not isinstance(sock, ssl.SSLSocket))
+      self._frames(sock, waitall=not isinstance(sock, ssl.SSLSocket), peer=_peer(addr))
     except frames.ProtocolError as e:
       self.refused += 1
       log.warning("data plane: refusing %s: %s", addr, e)
@@ -149,7 +159,7 @@ class DataPlaneServer:
       # Half-close and let the sender read the reply before the connection
       # goes away (closing with unread input would reset it first).
       if not isinstance(sock, ssl.SSLSocket):
-        sock.shutdown(socket.SHUT_WR)
+        sockio.shutdown(sock, socket.SHUT_WR)
       sock.settimeout(1.0)
       scratch = bytearray(64 << 10)
       end = time.monotonic() + 1.0
@@ -158,16 +168,21 @@ class DataPlaneServer:
     except (OSError, ValueError):
       pass
 
-  def _frames(self, sock, waitall: bool) -> None:
+  def _frames(self, sock, waitall: bool, peer: str) -> None:
     sink = self.sink
     header = bytearray(frames.HEADER.size)
     header_view = memoryview(header)
+    acks = _AckRun(self, sock)
     while True:
+      if acks.frames and not _input_waiting(sock, acks.poller):
+        acks.flush()  # the sender has nothing more in flight right now
       try:
         frames.recv_exact(sock, header_view, waitall)
       except frames.PeerClosed:
+        acks.flush()
         return
       kind, seq, tid_len, layer, crc, key_len, length, attempt = frames.parse_header(header)
+      self.frames_total += 1
       if length > sink.max_frame_bytes:
         raise frames.ProtocolError(
             Code.RESOURCE_EXHAUSTED, f"frame of {length} bytes exceeds this receiver's "
@@ -180,26 +195,61 @@ class DataPlaneServer:
       except UnicodeDecodeError:
         raise frames.ProtocolError(Code.INVALID_ARGUMENT, "frame header: id or key is not "
                                    "utf-8") from None
+      if kind in frames.CONTROL_KINDS:
+        data = bytearray(length)
+        frames.recv_exact(sock, memoryview(data), waitall)
+        acks.flush()  # replies stay in frame order
+        self._reply(sock, self._control(kind, seq, tid, crc, data, peer))
+        continue
       try:
         handle = sink.plane_lookup(tid)
       except TransferRefused as e:
         self.refused += 1
         self._drain(sock, length, waitall)
-        sock.sendall(frames.pack_reply(seq, frames.ERROR, e.code, e.message))
+        acks.flush()
+        self._reply(sock, frames.pack_reply(seq, frames.ERROR, e.code, e.message))
         continue
       data = bytearray(length)
       frames.recv_exact(sock, memoryview(data), waitall)
       try:
         if kind == frames.DESCRIPTOR:
           sink.plane_descriptor(handle, layer, data.decode("utf-8", "replace"))
-          reply = frames.pack_reply(seq, frames.ACK)
+          reason = None
         else:
           reason = sink.plane_chunk(handle, layer, key, crc, data)
-          reply = (frames.pack_reply(seq, frames.ACK) if reason is None else
-                   frames.pack_reply(seq, frames.NACK, Code.DATA_LOSS, reason))
       except TransferRefused as e:
-        reply = frames.pack_reply(seq, frames.ERROR, e.code, e.message)
-      sock.sendall(reply)
+        acks.flush()
+        self._reply(sock, frames.pack_reply(seq, frames.ERROR, e.code, e.message))
+        continue
+      if reason is None:
+        acks.add(seq, length)
+      else:
+        acks.flush()
+        self._reply(sock, frames.pack_reply(seq, frames.NACK, Code.DATA_LOSS, reason))
+
+  def _control(self, kind: int, seq: int, tid: str, crc: int, data: bytearray,
+               peer: str) -> bytes:
+    """The reply to a BEGIN / COMMIT frame (the connection stays usable)."""
+    what = "BEGIN" if kind == frames.BEGIN else "COMMIT"
+    if not self.control:
+      return frames.pack_reply(seq, frames.ERROR, Code.UNIMPLEMENTED,
+                               f"this receiver takes {what} on gRPC only")
+    got = crc32c(data)
+    if got != crc:
+      # Not resent like a chunk: the sender fails the transfer with this status.
+      return frames.pack_reply(seq, frames.ERROR, Code.DATA_LOSS,
+                               f"{what} frame of transfer {tid}: crc32c mismatch (data has "
+                               f"0x{got:08x}, frame says 0x{crc:08x})")
+    try:
+      body = (self.sink.plane_begin(bytes(data), peer) if kind == frames.BEGIN
+              else self.sink.plane_commit(bytes(data)))
+      return frames.pack_result(seq, body)
+    except TransferRefused as e:
+      return frames.pack_reply(seq, frames.ERROR, e.code, e.message)
+
+  def _reply(self, sock, reply: bytes) -> None:
+    sock.sendall(reply)
+    self.replies_total += 1
 
   @staticmethod
   def _drain(sock, length: int, waitall: bool) -> None:
@@ -209,3 +259,41 @@ class DataPlaneServer:
       n = min(left, len(scratch))
       frames.recv_exact(sock, scratch[:n], waitall)
       left -= n
+
+
+class _AckRun:
+  """Frames stored but not yet acknowledged on one connection: one ACKS reply
+  covers them all (in order, so the highest sequence number says it all)."""
+
+  def __init__(self, server: DataPlaneServer, sock):
+    self.server, self.sock = server, sock
+    self.poller = select.poll()
+    self.poller.register(sock.fileno(), select.POLLIN)
+    self.frames = 0
+    self.nbytes = 0
+    self.last_seq = 0
+
+  def add(self, seq: int, nbytes: int) -> None:
+    self.frames += 1
+    self.nbytes += nbytes
+    self.last_seq = seq
+    if self.frames >= frames.ACK_EVERY_FRAMES or self.nbytes >= frames.ACK_EVERY_BYTES:
+      self.flush()
+
+  def flush(self) -> None:
+    if self.frames:
+      self.frames = self.nbytes = 0
+      self.server._reply(self.sock, frames.pack_reply(self.last_seq, frames.ACKS))
+
+
+def _input_waiting(sock, poller) -> bool:
+  """Whether more of the sender's bytes are already here (decrypted or not)."""
+  if isinstance(sock, ssl.SSLSocket) and sock.pending():
+    return True
+  return bool(poller.poll(0))
+
+
+def _peer(addr) -> str:
+  """gRPC's peer notation for a data-plane sender (``TransferInfo.peer``)."""
+  host, port = addr[0], addr[1]
+  return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"

@@ -13,6 +13,11 @@ had outstanding go back too, and the other connections carry them (a
 replacement connection is opened when none is left, up to a budget). The
 receiver's own per-chunk attempt limit turns a chunk that keeps failing into
 DATA_LOSS; nothing here retries forever.
+
+Control frames (BEGIN, COMMIT: ``call``) travel in the same queue and wait
+for their RESULT; they are never resent (a lost connection or an ERROR fails
+the stream). ``drain`` waits for every frame so far without giving the
+connections back, so a transfer keeps them from Begin to Commit.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Callable
 
 import grpc
 
+from paas_jax.codec.store import crc32c
 from paas_jax.transport.dataplane import frames
 from paas_jax.transport.errors import TransferError
 
@@ -34,7 +40,7 @@ class Outgoing:
   """One frame to send: header fields and a memoryview of the payload."""
 
   __slots__ = ("kind", "layer", "key", "crc", "payload", "attempt", "is_chunk", "stream",
-               "resend")
+               "resend", "reply")
 
   def __init__(self, kind: int, layer: int, key: str, crc: int, payload, is_chunk: bool,
                attempt: int = 0, resend: bool = False):
@@ -45,6 +51,7 @@ class Outgoing:
     self.is_chunk = is_chunk
     self.resend = resend
     self.stream: "LaneStream | None" = None
+    self.reply: list[bytes] | None = None  # control frames: [RESULT body] once answered
 
   @property
   def nbytes(self) -> int:
@@ -147,6 +154,45 @@ class LaneStream:
     self._fail(err)
     self._release_lanes()
 
+  def drain(self) -> None:
+    """Until every frame put so far is acknowledged; keeps the connections.
+
+    Raises:
+      TransferError: as ``wait``.
+    """
+    with self._cv:
+      while self._error is None and self._outstanding:
+        if time.monotonic() > self._deadline:
+          break
+        self._cv.wait(0.1)
+    self._check_deadline()
+    with self._cv:
+      if self._error is not None:
+        raise self._error
+
+  def call(self, kind: int, payload: bytes, timeout_s: float) -> bytes:
+    """Sends a control frame (BEGIN / COMMIT) and returns its RESULT body.
+
+    Raises:
+      TransferError: the receiver's status (ERROR), a lost connection
+        (UNAVAILABLE), DEADLINE_EXCEEDED; the stream has failed.
+    """
+    if kind not in frames.CONTROL_KINDS:
+      raise ValueError(f"frame kind {kind} is not a control frame")
+    item = Outgoing(kind, -1, "", crc32c(payload), payload, is_chunk=False)
+    item.reply = []
+    self.put(item)
+    end = min(self._deadline, time.monotonic() + timeout_s)
+    with self._cv:
+      while self._error is None and not item.reply and time.monotonic() < end:
+        self._cv.wait(0.1)
+      if item.reply:
+        return item.reply[0]
+    what = "BEGIN" if kind == frames.BEGIN else "COMMIT"
+    self._fail(TransferError(Code.DEADLINE_EXCEEDED, f"no reply to {what} on the data plane "
+                             f"within {timeout_s:g} s", self.transfer_id))
+    raise self._error
+
   # -- lanes ---------------------------------------------------------------------------
 
   def next_item(self, lane) -> Outgoing | None:
@@ -164,6 +210,28 @@ class LaneStream:
           return None
         self._cv.wait(0.1)
 
+  def next_items(self, lane, room: int, max_frames: int, max_bytes: int) -> list[Outgoing]:
+    """``next_item``, then whatever else is queued right now, while the batch
+    stays within ``max_frames``, ``max_bytes`` and ``room`` (the lane's free
+    window): small frames leave in one write. [] once done or failed."""
+    first = self.next_item(lane)
+    if first is None:
+      return []
+    out, total = [first], first.nbytes
+    limit = min(max_bytes, room)
+    with self._cv:
+      while self._queue and len(out) < max_frames and self._error is None:
+        nxt = self._queue[0]
+        if total + nxt.nbytes > limit:
+          break
+        self._queue.popleft()
+        self._queued_bytes -= nxt.nbytes
+        out.append(nxt)
+        total += nxt.nbytes
+      if len(out) > 1:
+        self._cv.notify_all()
+    return out
+
   def sent(self, item: Outgoing) -> None:
     self._on_sent(item)
 
@@ -171,6 +239,21 @@ class LaneStream:
     with self._cv:
       self._outstanding -= 1
       self._cv.notify_all()
+
+  def result(self, item: Outgoing, body: bytes) -> None:
+    """A control frame's RESULT."""
+    with self._cv:
+      if item.reply is None:
+        fail = TransferError(Code.INTERNAL, "data-plane receiver answered a "
+                             f"{'chunk' if item.is_chunk else 'descriptor'} with a RESULT",
+                             self.transfer_id)
+      else:
+        fail = None
+        item.reply.append(body)
+      self._outstanding -= 1
+      self._cv.notify_all()
+    if fail is not None:
+      self._fail(fail)
 
   def nacked(self, item: Outgoing, reason: str) -> None:
     """The receiver read the frame and rejected it: send it again, first."""
@@ -197,6 +280,17 @@ class LaneStream:
           self._lanes.remove(lane)
       self._fail(TransferError(exc.code, f"data plane refused the connection: "
                                f"{exc.message}", self.transfer_id))
+      return
+    control = [i for i in items if i.reply is not None]
+    if control:
+      # The receiver may have run it: a resend could begin or commit twice.
+      with self._cv:
+        if lane in self._lanes:
+          self._lanes.remove(lane)
+          self.lanes_lost += 1
+      what = "BEGIN" if control[0].kind == frames.BEGIN else "COMMIT"
+      self._fail(TransferError(Code.UNAVAILABLE, f"data-plane connection lost while {what} "
+                               f"was unanswered: {exc}", self.transfer_id))
       return
     replace = False
     with self._cv:

@@ -69,14 +69,17 @@ def receiver_kwargs(security, role: str, credentials=None, host: str | None = No
   process's StateTransfer port: TLS and the role's StateTransfer peer patterns
   from ``security`` (a ``ServiceSecurity``), plaintext when it is None or
   --insecure. {} (no data plane) when the port has gRPC ``credentials`` but no
-  ``security`` to build the data plane's TLS from."""
+  ``security`` to build the data plane's TLS from. Begin and Commit may ride
+  the data plane (``data_control``) unless the service checks bearer tokens,
+  which only its gRPC port does."""
+  tokens = security is not None and security.tokens is not None
   if security is None or security.insecure:
     if credentials is not None:
       return {}
-    return {"data_plane": True, "data_host": host}
+    return {"data_plane": True, "data_host": host, "data_control": not tokens}
   patterns = service_rules(role)[STATE_TRANSFER_PREFIX]
   return {"data_plane": True, "data_ssl": server_context(security.tls),
-          "data_peers": patterns, "data_host": host}
+          "data_peers": patterns, "data_host": host, "data_control": not tokens}
 
 
 def sender_fields(security, lanes: int) -> dict:

@@ -5,6 +5,6 @@ form used on CPU, Pallas kernels, and ``ops.py`` as the single entry point whose
 signatures are fixed by ``docs/CONTRACTS.md``.
 """
 
-from pallas_kernels._dispatch import IMPLS, last_impl, resolve_impl
+from pallas_kernels._dispatch import IMPLS, clear_impl_records, last_impl, resolve_impl
 
-__all__ = ["IMPLS", "last_impl", "resolve_impl"]
+__all__ = ["IMPLS", "clear_impl_records", "last_impl", "resolve_impl"]

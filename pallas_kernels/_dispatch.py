@@ -79,3 +79,8 @@ def record(op: str, path: str) -> str:
 def last_impl(op: str) -> str | None:
   """The path the most recent trace of ``op`` resolved to, or None."""
   return _LAST_IMPL.get(op)
+
+
+def clear_impl_records() -> None:
+  """Forgets every op's recorded path (so ``last_impl`` answers for what runs next)."""
+  _LAST_IMPL.clear()

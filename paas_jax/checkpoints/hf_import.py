@@ -18,13 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 from jax.sharding import Mesh, Sharding
+from tokenizers import Tokenizer
 
-from paas_jax.checkpoints.hf_families import HFImportError, family_for, model_dtype
+from paas_jax.checkpoints.hf_families import family_for
+from paas_jax.checkpoints.hf_layout import HFImportError, model_dtype
 from paas_jax.checkpoints.safetensors_dir import SafetensorsDir
 from paas_jax.checkpoints.sharding import ShardingRule, param_shardings
 from paas_jax.models import ModelConfig
 from paas_jax.models.api import Model
 from paas_jax.models.hybrid import HybridLM
+from paas_jax.serving.tokenizer_files import load_tokenizer, text_side_files
 
 TOKENIZER_FILE = "tokenizer.json"
 _MAX_LISTED = 12
@@ -40,18 +43,23 @@ class ImportedModel:
     tokenizer_json: text of ``tokenizer.json``, or None if the directory has none.
     metadata: facts about the source (architecture, special token ids, tensors
       of the checkpoint that the model does not use), saved with the checkpoint.
+    text_files: the source's tokenizer and chat-template files (``tokenizer.json``,
+      Kimi's ``tiktoken.model``, ``tokenizer_config.json``, ...), which
+      ``save_checkpoint`` copies next to the parameters.
   """
 
   model: Model
   tokenizer_json: str | None
   metadata: dict
+  text_files: tuple[pathlib.Path, ...] = ()
 
   @property
   def tokenizer(self):
-    """A ``tokenizers.Tokenizer``, or None."""
+    """The source's tokenizer (``tokenizers.Tokenizer`` or Kimi's tiktoken one), or None."""
+    if self.text_files:
+      return load_tokenizer(self.text_files[0].parent)
     if self.tokenizer_json is None:
       return None
-    from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
     return Tokenizer.from_str(self.tokenizer_json)
 
 
@@ -191,7 +199,7 @@ def import_hf(hf_dir: str | pathlib.Path, *, name: str | None = None,
   return ImportedModel(model=model,
                        tokenizer_json=(tokenizer_path.read_text()
                                        if tokenizer_path.is_file() else None),
-                       metadata=metadata)
+                       metadata=metadata, text_files=tuple(text_side_files(hf_dir)))
 
 
 def _as_list(x) -> list[int]:

@@ -5,6 +5,8 @@ Layout of a checkpoint directory::
   CKPT/params/      Orbax arrays, one per parameter, keyed by dotted path
   CKPT/metadata/    Orbax JSON: format tag, ModelConfig, source facts
   CKPT/tokenizer.json   (optional) the tokenizers-library tokenizer
+  CKPT/tiktoken.model, tokenizer_config.json, ...  (optional) copied from the
+                        source (serving/tokenizer_files.py: Kimi's tiktoken BPE)
 
 Loading restores every array directly into its target sharding, so a model
 too large for one device is never materialised on one.
@@ -29,6 +31,7 @@ from paas_jax.checkpoints.hf_import import (TOKENIZER_FILE, abstract_params, imp
 from paas_jax.checkpoints.sharding import ShardingRule, param_shardings
 from paas_jax.models import ModelConfig
 from paas_jax.models.api import Model
+from paas_jax.serving.tokenizer_files import load_tokenizer
 
 FORMAT = "paas-jax-checkpoint/1"
 PARAMS_ITEM = "params"
@@ -73,7 +76,8 @@ def _tokenizer_text(tokenizer_json) -> str | None:
 
 
 def save_checkpoint(model: Model, path: str | pathlib.Path, tokenizer_json=None, *,
-                    metadata: dict | None = None, overwrite: bool = False) -> pathlib.Path:
+                    metadata: dict | None = None, overwrite: bool = False,
+                    text_files=()) -> pathlib.Path:
   """Writes ``model`` (and optionally its tokenizer) as a paas-jax checkpoint.
 
   Args:
@@ -82,6 +86,7 @@ def save_checkpoint(model: Model, path: str | pathlib.Path, tokenizer_json=None,
     tokenizer_json: a ``tokenizers.Tokenizer``, a tokenizer.json path, or its text.
     metadata: extra JSON-able facts stored alongside (e.g. eos token ids).
     overwrite: replace an existing directory.
+    text_files: tokenizer / chat-template files to copy in (``ImportedModel.text_files``).
 
   Returns:
     The absolute checkpoint path.
@@ -98,6 +103,8 @@ def save_checkpoint(model: Model, path: str | pathlib.Path, tokenizer_json=None,
     checkpointer.save(path, ocp.args.Composite(**{
         PARAMS_ITEM: ocp.args.StandardSave(params),
         METADATA_ITEM: ocp.args.JsonSave(meta)}))
+  for source in text_files:
+    shutil.copyfile(source, path / pathlib.Path(source).name)
   if tokenizer_text is not None:
     (path / TOKENIZER_FILE).write_text(tokenizer_text)
   return path
@@ -138,7 +145,8 @@ def load_checkpoint(path: str | pathlib.Path, *, mesh: Mesh | None = None,
     axis: mesh axis for the default policy (default ``"tp"`` or the only axis).
 
   Returns:
-    (model, ``tokenizers.Tokenizer`` or None when the checkpoint has none).
+    (model, its tokenizer: ``tokenizers.Tokenizer``, Kimi's tiktoken one
+    (serving/tokenizer_files.py), or None when the checkpoint has none).
   """
   path = pathlib.Path(path).absolute()
   if not (path / METADATA_ITEM).is_dir() and is_hf_model_dir(path):
@@ -159,11 +167,7 @@ def load_checkpoint(path: str | pathlib.Path, *, mesh: Mesh | None = None,
     restored = checkpointer.restore(path, ocp.args.Composite(**{
         PARAMS_ITEM: ocp.args.StandardRestore(target)}))[PARAMS_ITEM]
   model = model_from_params(config, {p: restored[_key(p)] for p in abstract})
-  tokenizer = None
-  if (path / TOKENIZER_FILE).is_file():
-    from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
-    tokenizer = Tokenizer.from_file(str(path / TOKENIZER_FILE))
-  return model, tokenizer
+  return model, load_tokenizer(path)
 
 
 def checkpoint_nbytes(model: Model) -> int:

@@ -15,7 +15,8 @@ from paas_jax.codec.decode import (check_blob, check_identity, check_template, d
                                    assemble, verify_state, RestoreTemplate)
 from paas_jax.codec.encode import (EncodedGroup, build_manifest, encode_arrays, encode_groups,
                                    encode_layer, encode_state, encode_state_arrays,
-                                   token_count_of)
+                                   source_sharding, spans_devices, token_count_of,
+                                   wire_arrays)
 from paas_jax.codec.errors import (ChunkIntegrityError, CodecError, FingerprintMismatchError,
                                    IncompleteStateError, LayoutMismatchError)
 from paas_jax.codec.layout import ArrayRole, split_state
@@ -33,5 +34,5 @@ __all__ = [
     "decode_state", "encode_arrays", "encode_groups", "encode_layer", "encode_state",
     "encode_state_arrays", "fetch_group", "merge_manifests", "open_kvstore", "read_manifest",
     "restore_array", "restore_from_store", "restore_group", "restore_indexed_group",
-    "split_state", "token_count_of", "verify_state",
+    "source_sharding", "spans_devices", "split_state", "token_count_of", "verify_state", "wire_arrays",
 ]

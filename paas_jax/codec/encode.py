@@ -87,6 +87,39 @@ def _host_shards(data) -> list[tuple[list[tuple[int, int]], Any]]:
   return [(_normalize_index(s.index, shape), s.data) for s in shards]
 
 
+def source_sharding(leaf) -> dict | None:
+  """``ArrayEntry.source_sharding`` of a leaf: its mesh and partition spec when it
+  is a ``jax.Array`` spread over several devices by a ``NamedSharding``."""
+  sharding = getattr(leaf, "sharding", None)
+  if (not isinstance(leaf, jax.Array) or not isinstance(sharding, jax.sharding.NamedSharding)
+      or len(sharding.device_set) < 2):
+    return None
+  spec = list(sharding.spec) + [None] * (leaf.ndim - len(sharding.spec))
+  return {"mesh": {str(k): int(v) for k, v in sharding.mesh.shape.items()},
+          "spec": [None if e is None else (e if isinstance(e, str) else list(e))
+                   for e in spec]}
+
+
+def spans_devices(x) -> bool:
+  """True for a ``jax.Array`` whose data lies on several devices (sharded or replicated)."""
+  return isinstance(x, jax.Array) and len(x.sharding.device_set) > 1
+
+
+def wire_arrays(tree: Any) -> Any:
+  """A (sliced) cache ready for encoding without a gather: leaves spread over
+  several devices stay device arrays, each shard's copy to the host started
+  (the encoder reads every shard from its own buffer); other leaves become
+  numpy arrays (waits for their copy)."""
+  def one(x):
+    if spans_devices(x):
+      for s in x.addressable_shards:
+        if s.replica_id == 0:
+          s.data.copy_to_host_async()
+      return x
+    return np.asarray(x)
+  return jax.tree_util.tree_map(one, tree)
+
+
 def _dimension_names(ndim: int, role: ArrayRole, drop_token_axis: bool = False) -> list:
   names: list = [None] * ndim
   if role.batch_axis:
@@ -223,7 +256,7 @@ def encode_arrays(layer_index: int, kind: str,
         name=name, role="data", dtype=dtype.name, shape=shape,
         stored_dtype=stored_dtype.name, stored_shape=stored_shape,
         token_axis=role.token_axis, head_axis=role.head_axis, trim=role.trim,
-        quantization=quant, chunk_shape=chunk))
+        quantization=quant, chunk_shape=chunk, source_sharding=source_sharding(leaf)))
     if scale is not None:
       t = role.token_axis
       scale_shape = tuple(s for i, s in enumerate(stored_shape) if i != t)

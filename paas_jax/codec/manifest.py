@@ -69,6 +69,12 @@ class ArrayEntry:
     chunk_shape: zarr3 regular chunk grid.
     chunks: every stored object of the array, including ``zarr.json``. Chunks
       whose content equals the fill value (0) are not stored and not listed.
+    source_sharding: how the sender held the leaf when it spread over several
+      devices, ``{"mesh": {axis: size}, "spec": [per axis: None, an axis name
+      or a list of names]}`` (a ``NamedSharding``): each device's shard was
+      encoded from its own buffer, in chunks that lie inside one shard. None
+      for a leaf on one device or on the host (then not serialized). Readers
+      re-lay the array in their own sharding; the coordinates are global.
   """
 
   name: str
@@ -83,6 +89,7 @@ class ArrayEntry:
   quantization: str
   chunk_shape: tuple[int, ...]
   chunks: tuple[ChunkEntry, ...] = ()
+  source_sharding: dict | None = None
 
   @property
   def nbytes(self) -> int:
@@ -100,8 +107,12 @@ class ArrayEntry:
     return f"{self.name}/zarr.json"
 
   def to_dict(self) -> dict:
-    d = dataclasses.asdict(self)
+    # Field by field: dataclasses.asdict deep-copies every chunk entry, which
+    # was most of a tiny transfer's Commit on the sender.
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     d["chunks"] = [c.to_dict() for c in self.chunks]
+    if self.source_sharding is None:
+      del d["source_sharding"]
     return d
 
   @classmethod
@@ -114,7 +125,24 @@ class ArrayEntry:
         head_axis=None if d["head_axis"] is None else int(d["head_axis"]),
         trim=str(d["trim"]), quantization=str(d["quantization"]),
         chunk_shape=tuple(int(x) for x in d["chunk_shape"]),
-        chunks=tuple(ChunkEntry.from_dict(c) for c in d.get("chunks", ())))
+        chunks=tuple(ChunkEntry.from_dict(c) for c in d.get("chunks", ())),
+        source_sharding=_source_sharding(d.get("source_sharding")))
+
+
+def _source_sharding(d) -> dict | None:
+  """``ArrayEntry.source_sharding`` from JSON (ValueError if malformed)."""
+  if d is None:
+    return None
+  if (not isinstance(d, dict) or not isinstance(d.get("mesh"), dict)
+      or not isinstance(d.get("spec"), list)):
+    raise ValueError(f"malformed source_sharding {d!r}")
+  mesh = {str(k): int(v) for k, v in d["mesh"].items()}
+  spec = [None if e is None else (str(e) if isinstance(e, str) else [str(x) for x in e])
+          for e in d["spec"]]
+  named = {e for x in spec if x is not None for e in ([x] if isinstance(x, str) else x)}
+  if not named <= set(mesh) or any(v < 1 for v in mesh.values()):
+    raise ValueError(f"source_sharding {d!r} names axes outside its mesh")
+  return {"mesh": mesh, "spec": spec}
 
 
 @dataclasses.dataclass(frozen=True)

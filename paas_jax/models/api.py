@@ -74,6 +74,17 @@ class Model:
           block.ffn.impl = impl
     return Model.from_module(module)
 
+  def with_kernel_impl(self, impl: str) -> "Model":
+    """The same parameters with every kernel op (attention, gated delta, SSD, paged
+    decode, grouped matmul) on ``impl`` ("xla", "pallas_interpret", ...; see
+    ``pallas_kernels``) instead of "auto". Arrays are shared, not copied."""
+    module = self.module()
+    for block in module.blocks:
+      block.mixer.impl = impl
+      if isinstance(block.ffn, MoE):
+        block.ffn.impl = impl
+    return Model.from_module(module)
+
   @property
   def n_params(self) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(self.params)))
@@ -391,7 +402,22 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
 
   Returns:
     int32 [batch]; rows with ``temperature <= 0`` take the argmax.
+
+  A batch whose rows are all greedy takes only the argmax; otherwise every row
+  goes through ``sample_tokens_sorted`` (a full sort of the vocabulary per row,
+  tens of ms on CPU at 32K ids). Both give the same tokens.
   """
+  return jax.lax.cond(jnp.all(temperature <= 0),
+                      lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+                      lambda: sample_tokens_sorted(logits, keys, temperature, top_k, top_p))
+
+
+@jax.jit
+def sample_tokens_sorted(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
+                         top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """``sample_tokens`` (same arguments and result) with every row sorted, greedy
+  rows too: the sampled path, and the whole sampler before issue #17 (the
+  decode benchmarks' baseline)."""
   vocab = logits.shape[-1]
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]

@@ -149,6 +149,7 @@ class Attention(nnx.Module):
     self.use_rope = a.use_rope
     self.output_gate = a.output_gate
     self.window = window
+    self.impl = "auto"  # kernel implementation (pallas_kernels impl names)
     q_width = self.n_heads * self.head_dim * (2 if a.output_gate else 1)
     kv_width = self.n_kv_heads * self.head_dim
     self.q_proj = dense(config.d_model, q_width, config, rngs, use_bias=a.bias)
@@ -191,7 +192,8 @@ class Attention(nnx.Module):
       k_all = _write_tokens(cache.k, k, chunk)
       v_all = _write_tokens(cache.v, v, chunk)
       live = _live_positions(k_all.shape[1], chunk.start + chunk.n_valid)
-      o = flash_attention(q, k_all, v_all, q_positions=chunk.positions, kv_positions=live)
+      o = flash_attention(q, k_all, v_all, q_positions=chunk.positions, kv_positions=live,
+                          impl=self.impl)
       return self._output(o, gate), AttentionCache(k=k_all, v=v_all)
 
     # Sliding window: attend over the ring (older tokens) plus this chunk.
@@ -200,7 +202,7 @@ class Attention(nnx.Module):
     values = jnp.concatenate([cache.v.astype(v.dtype), v], axis=1)
     kv_pos = jnp.concatenate([ring_pos, kv_positions_new], axis=1)
     o = flash_attention(q, keys, values, q_positions=chunk.positions,
-                        kv_positions=kv_pos, window=self.window)
+                        kv_positions=kv_pos, window=self.window, impl=self.impl)
     # Only the last `window` valid tokens of the chunk survive in the ring;
     # writing just those keeps the scatter free of duplicate slots.
     offsets = jnp.arange(x.shape[1])[None, :]
@@ -228,7 +230,7 @@ class Attention(nnx.Module):
     new_v = cache.v.at[rows, slot].set(v[:, 0].astype(cache.v.dtype))
     kv_pos = _ring_positions(self.window, lengths + 1)
     o = flash_attention(q, new_k, new_v, q_positions=positions, kv_positions=kv_pos,
-                        window=self.window)
+                        window=self.window, impl=self.impl)
     return self._output(o, gate)[:, 0], SlidingWindowCache(k=new_k, v=new_v)
 
   def paged_step(self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -248,7 +250,7 @@ class Attention(nnx.Module):
     offset = lengths % k_pages.shape[1]
     k_pages = k_pages.at[write_page, offset].set(k[:, 0].astype(k_pages.dtype), mode="drop")
     v_pages = v_pages.at[write_page, offset].set(v[:, 0].astype(v_pages.dtype), mode="drop")
-    o = paged_attention(q, k_pages, v_pages, lengths + 1, page_table)
+    o = paged_attention(q, k_pages, v_pages, lengths + 1, page_table, impl=self.impl)
     return self._output(o, gate)[:, 0], k_pages, v_pages
 
 
@@ -263,6 +265,7 @@ class MLAttention(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     m = config.mla
     self.cfg = m
+    self.impl = "auto"  # kernel implementation (pallas_kernels impl names)
     h, dn, dr, dv, r = (m.n_heads, m.qk_nope_head_dim, m.qk_rope_head_dim,
                         m.v_head_dim, m.kv_lora_rank)
     latent_eps = config.norm_eps if m.latent_norm_eps is None else m.latent_norm_eps
@@ -322,7 +325,7 @@ class MLAttention(nnx.Module):
     k = jnp.concatenate([k_nope, k_shared], axis=-1)
     live = _live_positions(latent_all.shape[1], chunk.start + chunk.n_valid)
     o = flash_attention(q, k, v, q_positions=chunk.positions, kv_positions=live,
-                        sm_scale=self.sm_scale)
+                        sm_scale=self.sm_scale, impl=self.impl)
     out = self.o_proj(o.reshape(b, t, -1))
     return out, MLACache(latent=latent_all, k_rope=rope_all)
 
@@ -360,6 +363,7 @@ class MLAttention(nnx.Module):
     w_uk, w_uv = self._kv_b_heads(x.dtype)
     q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
     o_latent = paged_mla_attention(q_latent, q_rope, latent_pages, rope_pages,
-                                   lengths + 1, page_table, sm_scale=self.sm_scale)
+                                   lengths + 1, page_table, sm_scale=self.sm_scale,
+                                   impl=self.impl)
     o = jnp.einsum("bthr,rhv->bthv", o_latent.astype(x.dtype), w_uv)
     return self.o_proj(o.reshape(x.shape[0], -1)), latent_pages, rope_pages

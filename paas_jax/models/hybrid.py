@@ -105,14 +105,31 @@ class HybridLM(nnx.Module):
     Returns:
       (logits f32 [batch, seq, vocab], state advanced by ``n_valid`` tokens).
     """
+    x, state = self._prefill_hidden(tokens, state, n_valid)
+    return self.logits(x), state
+
+  def prefill_last(self, tokens: jax.Array, state: DecodeState, n_valid: jax.Array
+                   ) -> tuple[jax.Array, DecodeState]:
+    """``prefill`` with the output head applied only at each row's last valid token,
+    so no [batch, seq, vocab] logits exist (chunked prefill of long prompts).
+
+    Returns:
+      (logits f32 [batch, vocab] at position ``n_valid - 1`` of each row, undefined
+      for rows with ``n_valid == 0``; the advanced state).
+    """
+    x, state = self._prefill_hidden(tokens, state, n_valid)
+    last = x[jnp.arange(x.shape[0]), jnp.maximum(n_valid - 1, 0)]
+    return self.logits(last), state
+
+  def _prefill_hidden(self, tokens, state, n_valid):
+    """The blocks of ``prefill``: (hidden [batch, seq, d_model], advanced state)."""
     chunk = Chunk.make(state.lengths, n_valid, tokens.shape[1])
     x = self.embed(tokens)
     caches = []
     for block, cache in zip(self.blocks, state.layers):
       x, cache = block.prefill(x, cache, chunk)
       caches.append(cache)
-    return self.logits(x), DecodeState(layers=tuple(caches),
-                                       lengths=state.lengths + n_valid)
+    return x, DecodeState(layers=tuple(caches), lengths=state.lengths + n_valid)
 
   def step(self, tokens: jax.Array, state: DecodeState) -> tuple[jax.Array, DecodeState]:
     """One decode step: tokens int32 [batch] -> (logits f32 [batch, vocab], state)."""

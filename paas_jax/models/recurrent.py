@@ -59,6 +59,7 @@ class GatedDeltaNet(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     g = config.gated_delta
     self.cfg = g
+    self.impl = "auto"  # kernel implementation (pallas_kernels impl names)
     d = config.d_model
     self.key_width = g.n_k_heads * g.head_k_dim
     self.value_width = g.n_v_heads * g.head_v_dim
@@ -136,7 +137,7 @@ class GatedDeltaNet(nnx.Module):
     beta = beta * valid[..., None]
     g = g * (valid[..., None] if g.ndim == 3 else valid[..., None, None])
     o, state = chunk_gated_delta(q, k, v, g, beta, initial_state=cache.recurrent,
-                                 chunk_size=self.cfg.chunk_size)
+                                 chunk_size=self.cfg.chunk_size, impl=self.impl)
     return self._output(o, x), GatedDeltaCache(conv=conv_state, recurrent=state)
 
   def step(self, x: jax.Array, cache: GatedDeltaCache, lengths: jax.Array):
@@ -145,7 +146,7 @@ class GatedDeltaNet(nnx.Module):
     qkv, conv_state = self.conv.step(qkv, cache.conv)
     q, k, v = self._split_heads(jax.nn.silu(qkv))
     g, beta = self._gates(x)
-    o, state = gated_delta_step(q, k, v, g, beta, cache.recurrent)
+    o, state = gated_delta_step(q, k, v, g, beta, cache.recurrent, impl=self.impl)
     return self._output(o, x), GatedDeltaCache(conv=conv_state, recurrent=state)
 
 
@@ -160,6 +161,7 @@ class Mamba2(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     s = config.mamba2
     self.cfg = s
+    self.impl = "auto"  # kernel implementation (pallas_kernels impl names)
     self.eps = config.norm_eps
     self.inner = s.n_heads * s.head_dim
     self.bc_width = s.n_groups * s.d_state
@@ -206,7 +208,8 @@ class Mamba2(nnx.Module):
     xs, B, C, dt = self._ssm_inputs(jax.nn.silu(xbc), dt)
     dt = dt * chunk.valid.astype(jnp.float32)[..., None]
     A = -jnp.exp(self.A_log[...])
-    y, state = ssd(xs, dt, A, B, C, initial_state=cache.ssm, chunk_size=self.cfg.chunk_size)
+    y, state = ssd(xs, dt, A, B, C, initial_state=cache.ssm, chunk_size=self.cfg.chunk_size,
+                   impl=self.impl)
     return self._output(y, xs, z), Mamba2Cache(conv=conv_state, ssm=state)
 
   def step(self, x: jax.Array, cache: Mamba2Cache, lengths: jax.Array):
@@ -214,5 +217,5 @@ class Mamba2(nnx.Module):
     z, xbc, dt = self._split(x)
     xbc, conv_state = self.conv.step(xbc, cache.conv)
     xs, B, C, dt = self._ssm_inputs(jax.nn.silu(xbc), dt)
-    y, state = ssd_step(xs, dt, -jnp.exp(self.A_log[...]), B, C, cache.ssm)
+    y, state = ssd_step(xs, dt, -jnp.exp(self.A_log[...]), B, C, cache.ssm, impl=self.impl)
     return self._output(y, xs, z), Mamba2Cache(conv=conv_state, ssm=state)

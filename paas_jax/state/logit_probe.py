@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paas_jax.models import api
-from paas_jax.state.cache import CAPACITY_ALIGN, DecodeState
+from paas_jax.state.cache import CAPACITY_ALIGN, DecodeState, init_state
 
 # Top-k entries carried by a probe.
 PROBE_K = 8
@@ -138,6 +138,25 @@ def probe_logits(model: api.Model, state: DecodeState, token: int) -> np.ndarray
   state = state.grow(probe_capacity(length))
   logits, _ = api.decode_step(model, state, jnp.asarray([int(token)], jnp.int32))
   return np.asarray(logits[0], np.float32)
+
+
+def warm(model: api.Model, max_ctx: int) -> int:
+  """Compiles the probe step at every capacity ``probe_logits`` can reach for
+  contexts below ``max_ctx`` (one per octave), so that a server's first probe
+  at each length costs one decode step, not a compile. Returns the count."""
+  config = model.config
+  max_ctx = min(max_ctx, config.max_seq_len)
+  capacities = []
+  cap = probe_capacity(1)
+  while cap <= probe_capacity(max(max_ctx - 1, 1)):
+    capacities.append(cap)
+    cap *= 2
+  for cap in capacities:
+    state = init_state(config, 1, cap)
+    length = 1 if cap == probe_capacity(1) else cap // 2
+    state = state.replace(lengths=jnp.full((1,), length, jnp.int32))
+    probe_logits(model, state, 0)
+  return len(capacities)
 
 
 def make_probe(model: api.Model, state: DecodeState, token: int,

@@ -74,7 +74,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, fingerprint: str) -> li
   the previous hash with block i's ids (as int64), seeded by the model config
   ``fingerprint``, so equal hashes mean an equal prefix of the same model. The
   one implementation shared by ``HybridPrefixCache`` (its keys) and the broker
-  (``StatsRequest.prefix_probe_hashes``, sent instead of the prompt's ids).
+  (``PrefixProbeRequest.block_hashes``, sent instead of the prompt's ids).
   """
   if block_size <= 0:
     raise ValueError(f"block_size must be > 0, got {block_size}")

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from paas_jax.models import api
+from paas_jax.models.kinds import REGISTRY, KindSpec, StatePositions, kind_spec
 from paas_jax.state import logit_probe
-from paas_jax.state.cache import (AttentionCache, DecodeState, GatedDeltaCache, Mamba2Cache,
-                                  MLACache, SlidingWindowCache)
+from paas_jax.state.cache import DecodeState
 
 # Teacher-forced steps compared, and their tolerance (f32 logits; prefill and
 # decode kernels differ by ~1e-5 on the tiny configs).
@@ -41,9 +41,18 @@ KV_BLOCK = 16
 
 CORRUPTIONS = ("zero", "drop_last_block", "shift", "swap")
 CHECKS = ("tokens", "logits", "probe")
-# Which corruptions apply to which layer kind: recurrent states have no KV blocks.
-APPLIES = {"A": CORRUPTIONS, "S": CORRUPTIONS, "M": CORRUPTIONS,
-           "G": ("zero", "shift", "swap"), "m": ("zero", "shift", "swap")}
+
+
+def corruptions_for(spec: KindSpec) -> tuple[str, ...]:
+  """The corruptions that apply to a layer kind: a SUMMARY state (recurrent)
+  has no per-position entries, so no KV block to drop."""
+  if spec.positions is StatePositions.SUMMARY:
+    return tuple(c for c in CORRUPTIONS if c != "drop_last_block")
+  return CORRUPTIONS
+
+
+# layer_pattern letter -> the corruptions that apply to it (from the kind registry).
+APPLIES = {kind.value: corruptions_for(spec) for kind, spec in REGISTRY.items()}
 
 
 def random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -146,16 +155,15 @@ def to_host(state: DecodeState) -> DecodeState:
   return jax.tree_util.tree_map(np.asarray, state)
 
 
-def _zero_main(cache):
-  """The layer's state with its main arrays zeroed (recurrent state, or all KV)."""
-  if isinstance(cache, GatedDeltaCache):
-    return cache.replace(recurrent=np.zeros_like(cache.recurrent))
-  if isinstance(cache, Mamba2Cache):
-    return cache.replace(ssm=np.zeros_like(cache.ssm))
+def _zero_main(cache, spec: KindSpec):
+  """The layer's state with its main arrays zeroed: the kind's
+  ``summary_fields`` (the recurrent state), or every array (all KV)."""
+  if spec.summary_fields:
+    return cache.replace(**{f: np.zeros_like(getattr(cache, f)) for f in spec.summary_fields})
   return jax.tree_util.tree_map(np.zeros_like, cache)
 
 
-def _drop_last_block(cache, length: int, block: int):
+def _drop_last_block(cache, spec: KindSpec, length: int, block: int):
   """Zeroes the positions of the last (partial) KV block ``[start, length)``."""
   start = ((length - 1) // block) * block
 
@@ -163,26 +171,26 @@ def _drop_last_block(cache, length: int, block: int):
     x = np.array(x)
     x[:, index] = 0
     return x
-  if isinstance(cache, (AttentionCache, MLACache)):
+  if spec.positions is StatePositions.LINEAR:
     return jax.tree_util.tree_map(lambda x: zeroed(x, slice(start, length)), cache)
-  if isinstance(cache, SlidingWindowCache):
-    window = cache.k.shape[1]
+  if spec.positions is StatePositions.RING:
+    window = jax.tree_util.tree_leaves(cache)[0].shape[1]
     slots = sorted({p % window for p in range(max(start, length - window), length)})
     return jax.tree_util.tree_map(lambda x: zeroed(x, slots), cache)
   raise ValueError(f"{type(cache).__name__} has no KV blocks")
 
 
-def _shift(cache, stale_cache, length: int):
+def _shift(cache, stale_cache, spec: KindSpec, length: int):
   """Off by one token: KV one position late (an offset bug), or the recurrent
   state of the prompt without its last token (a stale checkpoint)."""
-  if isinstance(cache, (AttentionCache, MLACache)):
+  if spec.positions is StatePositions.LINEAR:
     def roll(x):
       x = np.array(x)
       x[:, 1:length] = x[:, :length - 1].copy()
       x[:, 0] = 0
       return x
     return jax.tree_util.tree_map(roll, cache)
-  if isinstance(cache, SlidingWindowCache):
+  if spec.positions is StatePositions.RING:
     return jax.tree_util.tree_map(lambda x: np.roll(x, 1, axis=1), cache)
   return stale_cache
 
@@ -200,21 +208,22 @@ def corrupt(state: DecodeState, kinds: Sequence[str], kind: str, corruption: str
   ``stale``: the state of the same prompts without their last token (needed by
   "shift" on recurrent layers).
   """
-  if corruption not in APPLIES[kind]:
+  if corruption not in corruptions_for(kind_spec(kind)):
     raise ValueError(f"corruption {corruption!r} does not apply to layer kind {kind!r}")
   length = int(np.asarray(state.lengths)[0])
+  spec = kind_spec(kind)
   layers = []
   for i, (k, cache) in enumerate(zip(kinds, state.layers)):
     if k != kind:
       layers.append(cache)
     elif corruption == "zero":
-      layers.append(_zero_main(cache))
+      layers.append(_zero_main(cache, spec))
     elif corruption == "drop_last_block":
-      layers.append(_drop_last_block(cache, length, block))
+      layers.append(_drop_last_block(cache, spec, length, block))
     elif corruption == "shift":
       if stale is None:
         raise ValueError("shift needs the stale state")
-      layers.append(_shift(cache, stale.layers[i], length))
+      layers.append(_shift(cache, stale.layers[i], spec, length))
     elif corruption == "swap":
       layers.append(_swap(cache))
     else:
@@ -224,11 +233,13 @@ def corrupt(state: DecodeState, kinds: Sequence[str], kind: str, corruption: str
 
 def damage(state: DecodeState, kinds: Sequence[str], block: int = KV_BLOCK) -> DecodeState:
   """A lost/truncated batch-1 state, for fault injection: every recurrent
-  state zeroed and the last KV block of every attention layer dropped."""
+  (SUMMARY) state zeroed and the last KV block of every other layer dropped."""
   host = to_host(state)
   length = int(np.asarray(host.lengths)[0])
-  layers = tuple(_zero_main(c) if k in ("G", "m") else _drop_last_block(c, length, block)
-                 for k, c in zip(kinds, host.layers))
+  specs = [kind_spec(k) for k in kinds]
+  layers = tuple(_zero_main(c, s) if s.positions is StatePositions.SUMMARY
+                 else _drop_last_block(c, s, length, block)
+                 for s, c in zip(specs, host.layers))
   return host.replace(layers=layers)
 
 

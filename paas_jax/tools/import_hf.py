@@ -17,6 +17,9 @@ import time
 
 from absl import app, flags
 
+from paas_jax.checkpoints import import_hf, save_checkpoint
+from paas_jax.checkpoints.orbax_io import checkpoint_nbytes
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "Hugging Face model directory (config.json, "
                     "*.safetensors, tokenizer.json).")
@@ -34,15 +37,13 @@ def main(argv):
   if not FLAGS.hf_dir or not FLAGS.out:
     print("error: give --hf_dir and --out", file=sys.stderr)
     return 2
-  # Imported here so that --help stays fast.
-  from paas_jax.checkpoints import import_hf, save_checkpoint  # pylint: disable=g-import-not-at-top
-  from paas_jax.checkpoints.orbax_io import checkpoint_nbytes  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   try:
     imported = import_hf(FLAGS.hf_dir, name=FLAGS.name, dtype=FLAGS.dtype,
                          max_seq_len=FLAGS.max_seq_len)
     path = save_checkpoint(imported.model, FLAGS.out, imported.tokenizer_json,
-                           metadata=imported.metadata, overwrite=FLAGS.overwrite)
+                           metadata=imported.metadata, overwrite=FLAGS.overwrite,
+                           text_files=imported.text_files)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -55,7 +56,7 @@ def main(argv):
       "checkpoint": str(path), "architecture": imported.metadata["source"]["architecture"],
       "layers": "".join(config.layer_kinds), "ffn": "".join(config.ffn_kinds),
       "params": imported.model.n_params, "bytes": checkpoint_nbytes(imported.model),
-      "dtype": config.param_dtype, "tokenizer": imported.tokenizer_json is not None,
+      "dtype": config.param_dtype, "tokenizer": imported.tokenizer is not None,
       "seconds": round(time.perf_counter() - t0, 2)}))
   return 0
 

@@ -4,6 +4,7 @@ the files that used to branch on letters ask the registry instead."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 
 import numpy as np
@@ -12,12 +13,16 @@ import pytest
 from paas_jax.models import load_config
 from paas_jax.models.config import LAYER_KINDS, LayerKind
 from paas_jax.models.kinds import (GROWING_CACHES, PAGED_CACHES, REGISTRY, PrefixRule,
-                                   kind_spec)
+                                   StatePositions, kind_spec)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Files whose per-kind if-chains the registry replaced.
 DISPATCH_FILES = ("paas_jax/models/hybrid.py", "paas_jax/state/cache.py",
-                  "paas_jax/state/prefix_cache.py", "paas_jax/serving/engine.py")
+                  "paas_jax/state/prefix_cache.py", "paas_jax/serving/slot_pool.py",
+                  "paas_jax/serving/decode_engine.py", "paas_jax/serving/prefill_engine.py",
+                  "paas_jax/checkpoints/hf_layout.py", "paas_jax/checkpoints/hf_qwen3_next.py",
+                  "paas_jax/checkpoints/hf_kimi_linear.py", "paas_jax/checkpoints/hf_nemotron_h.py",
+                  "paas_jax/state/sensitivity.py")
 
 
 def test_registry_covers_every_kind():
@@ -61,11 +66,15 @@ def test_each_kind_shapes_match_its_byte_rule(name):
 
 
 def _letter_branches(source: str) -> list[int]:
-  """Lines comparing something to a layer-kind letter (``== "A"``, ``in ("A", "M")``)."""
+  """Lines comparing something to a layer-kind letter (``== "A"``, ``in ("A", "M")``,
+  ``"A" in kinds``)."""
   letters = set(LAYER_KINDS)
   out = []
   for node in ast.walk(ast.parse(source)):
     if not isinstance(node, ast.Compare):
+      continue
+    if isinstance(node.left, ast.Constant) and node.left.value in letters:
+      out.append(node.lineno)
       continue
     for op, right in zip(node.ops, node.comparators):
       consts = []
@@ -81,10 +90,42 @@ def _letter_branches(source: str) -> list[int]:
 
 def test_branch_detector_fires():
   # Negative control: the old dispatch style is caught.
-  src = 'def f(kind):\n  if kind == "A":\n    return 1\n  return kind in ("A", "M")\n'
-  assert _letter_branches(src) == [2, 4]
+  src = ('def f(kind, kinds):\n  if kind == "A":\n    return 1\n  if "m" in kinds:\n'
+         '    return 2\n  return kind in ("A", "M")\n')
+  assert _letter_branches(src) == [2, 4, 6]
 
 
 @pytest.mark.parametrize("path", DISPATCH_FILES)
 def test_no_letter_branches_left(path):
   assert _letter_branches((ROOT / path).read_text()) == []
+
+
+def test_state_positions_agree_with_the_prefix_rule():
+  """LINEAR caches are the block-KV ones; only SUMMARY kinds name summary
+  fields, and those are fields of their cache."""
+  for kind, spec in REGISTRY.items():
+    assert (spec.positions is StatePositions.LINEAR) == (spec.prefix_rule is PrefixRule.BLOCK_KV)
+    fields = {f.name for f in dataclasses.fields(spec.cache_type)}
+    assert set(spec.summary_fields) <= fields, kind
+    assert bool(spec.summary_fields) == (spec.positions is StatePositions.SUMMARY), kind
+
+
+def test_sensitivity_corruptions_follow_the_registry():
+  from paas_jax.state import sensitivity
+  for kind, spec in REGISTRY.items():
+    has_blocks = spec.positions is not StatePositions.SUMMARY
+    assert ("drop_last_block" in sensitivity.APPLIES[kind.value]) == has_blocks
+
+
+def test_hf_family_refuses_a_kind_it_has_no_layout_for():
+  """Each family's mixer tensors are a table keyed by LayerKind; a kind missing
+  from it is an HFImportError naming the kind, not a wrong mapping."""
+  from paas_jax.checkpoints.hf_families import FAMILIES, HFImportError
+  mapped = {name: set(f.MIXER_SPECS) for name, f in FAMILIES.items()}
+  assert mapped == {"qwen3_next": {LayerKind.GATED_DELTA, LayerKind.ATTENTION},
+                    "kimi_linear": {LayerKind.GATED_DELTA, LayerKind.MLA},
+                    "nemotron_h": {LayerKind.MAMBA2, LayerKind.ATTENTION}}
+  for family in FAMILIES.values():
+    assert set(family.LAYER_TYPES.values()) == set(family.MIXER_SPECS)
+    with pytest.raises(HFImportError, match="no weight layout for layer kind SLIDING"):
+      family.mixer_specs("S", {}, None, {}, "model.layers.0", ("blocks", 0, "mixer"))

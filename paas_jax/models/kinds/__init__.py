@@ -12,7 +12,7 @@ from __future__ import annotations
 from paas_jax.models.config import LAYER_KINDS, LayerKind
 from paas_jax.models.kinds import attention, gated_delta, mamba2, mla, sliding
 from paas_jax.models.kinds.attention import PagedKV
-from paas_jax.models.kinds.base import KindSpec, PagedLayout, PrefixRule, Shapes
+from paas_jax.models.kinds.base import KindSpec, PagedLayout, PrefixRule, Shapes, StatePositions
 from paas_jax.models.kinds.mla import PagedLatent
 
 REGISTRY: dict[LayerKind, KindSpec] = {
@@ -39,4 +39,4 @@ GROWING_CACHES = tuple(s.cache_type for s in REGISTRY.values() if s.grows)
 PAGED_CACHES = tuple(s.paged.pool_type for s in REGISTRY.values() if s.paged is not None)
 
 __all__ = ["GROWING_CACHES", "KindSpec", "LayerKind", "PAGED_CACHES", "PagedKV", "PagedLatent",
-           "PagedLayout", "PrefixRule", "REGISTRY", "Shapes", "kind_spec"]
+           "PagedLayout", "PrefixRule", "REGISTRY", "Shapes", "StatePositions", "kind_spec"]

@@ -7,7 +7,7 @@ from flax import struct
 
 from paas_jax.models.attention import Attention, AttentionCache
 from paas_jax.models.config import LayerKind, ModelConfig
-from paas_jax.models.kinds.base import KindSpec, PagedLayout, PrefixRule, Shapes
+from paas_jax.models.kinds.base import KindSpec, PagedLayout, PrefixRule, Shapes, StatePositions
 
 
 @struct.dataclass
@@ -41,4 +41,5 @@ def state_bytes(config: ModelConfig) -> tuple[int, int]:
 
 SPEC = KindSpec(kind=LayerKind.ATTENTION, make_mixer=Attention, cache_type=AttentionCache,
                 cache_shapes=cache_shapes, state_bytes=state_bytes,
-                prefix_rule=PrefixRule.BLOCK_KV, paged=PagedLayout(PagedKV, pool_shapes))
+                prefix_rule=PrefixRule.BLOCK_KV, positions=StatePositions.LINEAR,
+                paged=PagedLayout(PagedKV, pool_shapes))

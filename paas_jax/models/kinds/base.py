@@ -26,6 +26,19 @@ class PrefixRule(enum.Enum):
   EXACT_CHECKPOINT = "exact_checkpoint"
 
 
+class StatePositions(enum.Enum):
+  """How a kind's cache holds the positions it has seen (what a lost or
+  shifted state loses: ``state/sensitivity.py`` corrupts by it)."""
+
+  # Entry i holds position i, up to the capacity (KV, MLA latents).
+  LINEAR = "linear"
+  # A ring buffer of the last ``window`` positions: entry p % window.
+  RING = "ring"
+  # A fixed-size summary of every position seen (recurrent states): no
+  # per-position entries, so no KV block to lose.
+  SUMMARY = "summary"
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedLayout:
   """How the decode engine pools a kind's cache in shared pages.
@@ -55,6 +68,11 @@ class KindSpec:
     state_bytes: ``config -> (fixed, per_token)`` bytes of one request's cache,
       written independently of ``cache_shapes`` so tests can hold them equal.
     prefix_rule: how the prefix cache reuses this kind's state.
+    positions: how the cache holds the positions seen (``StatePositions``),
+      along axis 1 of its arrays for LINEAR and RING.
+    summary_fields: the cache fields that carry the SUMMARY of the positions
+      seen (e.g. the recurrent state, not the short conv window): what a lost
+      state loses; empty means every field.
     paged: the decode engine's page-pool layout; None keeps the cache
       slot-indexed (``[n_slots, ...]``).
   """
@@ -65,6 +83,8 @@ class KindSpec:
   cache_shapes: Callable[[ModelConfig, int, int], Shapes]
   state_bytes: Callable[[ModelConfig], tuple[int, int]]
   prefix_rule: PrefixRule
+  positions: StatePositions
+  summary_fields: tuple[str, ...] = ()
   paged: PagedLayout | None = None
 
   @property

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from paas_jax.models.config import LayerKind, ModelConfig
-from paas_jax.models.kinds.base import KindSpec, PrefixRule, Shapes
+from paas_jax.models.kinds.base import KindSpec, PrefixRule, Shapes, StatePositions
 from paas_jax.models.recurrent import GatedDeltaCache, GatedDeltaNet
 
 
@@ -31,4 +31,5 @@ def state_bytes(config: ModelConfig) -> tuple[int, int]:
 
 SPEC = KindSpec(kind=LayerKind.GATED_DELTA, make_mixer=GatedDeltaNet,
                 cache_type=GatedDeltaCache, cache_shapes=cache_shapes, state_bytes=state_bytes,
-                prefix_rule=PrefixRule.EXACT_CHECKPOINT)
+                prefix_rule=PrefixRule.EXACT_CHECKPOINT, positions=StatePositions.SUMMARY,
+                summary_fields=("recurrent",))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from paas_jax.models.config import LayerKind, ModelConfig
-from paas_jax.models.kinds.base import KindSpec, PrefixRule, Shapes
+from paas_jax.models.kinds.base import KindSpec, PrefixRule, Shapes, StatePositions
 from paas_jax.models.recurrent import Mamba2, Mamba2Cache
 
 
@@ -30,4 +30,5 @@ def state_bytes(config: ModelConfig) -> tuple[int, int]:
 
 SPEC = KindSpec(kind=LayerKind.MAMBA2, make_mixer=Mamba2, cache_type=Mamba2Cache,
                 cache_shapes=cache_shapes, state_bytes=state_bytes,
-                prefix_rule=PrefixRule.EXACT_CHECKPOINT)
+                prefix_rule=PrefixRule.EXACT_CHECKPOINT, positions=StatePositions.SUMMARY,
+                summary_fields=("ssm",))

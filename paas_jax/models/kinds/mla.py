@@ -8,7 +8,7 @@ from flax import struct
 
 from paas_jax.models.attention import MLACache, MLAttention
 from paas_jax.models.config import LayerKind, ModelConfig
-from paas_jax.models.kinds.base import KindSpec, PagedLayout, PrefixRule, Shapes
+from paas_jax.models.kinds.base import KindSpec, PagedLayout, PrefixRule, Shapes, StatePositions
 
 
 @struct.dataclass
@@ -38,4 +38,5 @@ def state_bytes(config: ModelConfig) -> tuple[int, int]:
 
 SPEC = KindSpec(kind=LayerKind.MLA, make_mixer=MLAttention, cache_type=MLACache,
                 cache_shapes=cache_shapes, state_bytes=state_bytes,
-                prefix_rule=PrefixRule.BLOCK_KV, paged=PagedLayout(PagedLatent, pool_shapes))
+                prefix_rule=PrefixRule.BLOCK_KV, positions=StatePositions.LINEAR,
+                paged=PagedLayout(PagedLatent, pool_shapes))

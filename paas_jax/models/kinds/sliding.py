@@ -8,7 +8,7 @@ from flax import nnx
 from paas_jax.models.attention import Attention, SlidingWindowCache
 from paas_jax.models.config import LayerKind, ModelConfig
 from paas_jax.models.kinds.attention import kv_bytes_per_position
-from paas_jax.models.kinds.base import KindSpec, PrefixRule, Shapes
+from paas_jax.models.kinds.base import KindSpec, PrefixRule, Shapes, StatePositions
 
 
 def make_mixer(config: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
@@ -28,4 +28,4 @@ def state_bytes(config: ModelConfig) -> tuple[int, int]:
 
 SPEC = KindSpec(kind=LayerKind.SLIDING, make_mixer=make_mixer, cache_type=SlidingWindowCache,
                 cache_shapes=cache_shapes, state_bytes=state_bytes,
-                prefix_rule=PrefixRule.EXACT_CHECKPOINT)
+                prefix_rule=PrefixRule.EXACT_CHECKPOINT, positions=StatePositions.RING)

@@ -32,6 +32,7 @@ from google.protobuf import json_format
 
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.security import channel_credentials, read_token
+from paas_jax.serving.logprobs import TokenLogprob
 
 DEFAULT_BROKER = "127.0.0.1:50050"
 _ROUTES = {"auto": serving_pb2.ROUTE_AUTO, "local": serving_pb2.ROUTE_LOCAL,
@@ -57,6 +58,8 @@ class Chunk:
   finished: bool
   finish_reason: str
   summary: dict
+  # With logprobs=True: one TokenLogprob per token of token_ids.
+  logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,7 @@ class GenerationOutput:
   tpot_s: float
   total_s: float
   summary: dict
+  logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
   @property
   def route(self) -> str:
@@ -104,7 +108,9 @@ class Stream:
         yield Chunk(token_ids=tuple(msg.token_ids), text=msg.text,
                     arrived_s=time.perf_counter() - self._started, finished=msg.finished,
                     finish_reason=msg.finish_reason,
-                    summary=_summary_dict(msg.summary) if msg.HasField("summary") else {})
+                    summary=_summary_dict(msg.summary) if msg.HasField("summary") else {},
+                    logprobs=tuple(TokenLogprob(m.token_id, m.logprob, tuple(m.top_ids),
+                                                tuple(m.top_logprobs)) for m in msg.logprobs))
     except grpc.RpcError as e:
       if e.code() == grpc.StatusCode.CANCELLED and self._call.cancelled():
         return
@@ -136,7 +142,10 @@ class BrokerClient:
              max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] = (),
              model: str = "", route: str = "auto", request_id: str = "",
-             timeout_s: float | None = None) -> Stream:
+             timeout_s: float | None = None, logprobs: bool = False,
+             top_logprobs: int = 0) -> Stream:
+    """Starts a request; ``logprobs``: each chunk carries its tokens'
+    ``TokenLogprob`` (``top_logprobs`` alternatives, 0..20)."""
     if route not in _ROUTES:
       raise ValueError(f"route must be one of {sorted(_ROUTES)}, got {route!r}")
     request = serving_pb2.GenerateRequest(
@@ -144,7 +153,7 @@ class BrokerClient:
         max_new_tokens=max_new_tokens,
         sampling=serving_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         seed=seed, stop_tokens=list(stop_tokens), request_id=request_id,
-        route=_ROUTES[route])
+        route=_ROUTES[route], logprobs=logprobs, top_logprobs=top_logprobs)
     started = time.perf_counter()
     call = self.stub.Generate(request, timeout=timeout_s or self.timeout_s)
     return Stream(call, started)
@@ -157,8 +166,10 @@ class BrokerClient:
     summary: dict = {}
     reason = ""
     total = 0.0
+    lps: list[TokenLogprob] = []
     for chunk in self.stream(**kwargs):
       tokens.extend(chunk.token_ids)
+      lps.extend(chunk.logprobs)
       text.append(chunk.text)
       times.extend([chunk.arrived_s] * len(chunk.token_ids))
       if chunk.summary:
@@ -172,7 +183,7 @@ class BrokerClient:
     tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
     return GenerationOutput(request_id=summary.get("request_id", ""), tokens=tokens,
                             text="".join(text), finish_reason=reason, ttft_s=ttft,
-                            tpot_s=tpot, total_s=total, summary=summary)
+                            tpot_s=tpot, total_s=total, summary=summary, logprobs=lps)
 
   def stats(self, timeout_s: float = 10.0) -> dict:
     r = self.stub.GetStats(serving_pb2.StatsRequest(), timeout=timeout_s)

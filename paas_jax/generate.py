@@ -11,6 +11,10 @@ import sys
 
 from absl import app, flags
 
+from paas_jax.checkpoints import load_checkpoint
+from paas_jax.models import api, load_config
+from paas_jax.serving.tokenizer_files import QWEN_BUNDLED_VOCAB_SIZE, bundled_qwen_vocabulary
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "tiny_gdn_gqa", "Model config name or path to a config .py file.")
 flags.DEFINE_string("checkpoint", None, "Orbax checkpoint directory (overrides --config).")
@@ -26,25 +30,26 @@ flags.DEFINE_bool("json", False, "Print one JSON object instead of text.")
 
 
 def _load(argv_checkpoint: str | None, config_name: str, seed: int):
-  """Returns (Model, tokenizer or None)."""
-  from paas_jax.models import api, load_config
+  """Returns (Model, tokenizer or None): a checkpoint's own tokenizer; random init of a
+  config whose vocabulary covers Qwen's gets Qwen's bundled one."""
   if argv_checkpoint:
-    from paas_jax.checkpoints import load_checkpoint  # provided by the checkpoints package
     return load_checkpoint(argv_checkpoint)
-  return api.Model.create(load_config(config_name), seed=seed), None
+  model = api.Model.create(load_config(config_name), seed=seed)
+  tokenizer = (bundled_qwen_vocabulary() if model.config.vocab_size >= QWEN_BUNDLED_VOCAB_SIZE
+               else None)
+  return model, tokenizer
 
 
 def main(argv):
   del argv
-  from paas_jax.models import api
   try:
     model, tokenizer = _load(FLAGS.checkpoint, FLAGS.config, FLAGS.seed)
     if FLAGS.prompt_ids:
       prompt = [int(t) for t in FLAGS.prompt_ids]
     elif FLAGS.prompt is not None:
       if tokenizer is None:
-        raise ValueError("--prompt needs a --checkpoint that carries a tokenizer; "
-                         "use --prompt_ids with random-init configs")
+        raise ValueError("--prompt needs a --checkpoint that carries a tokenizer (or a "
+                         "config whose vocabulary covers Qwen's); use --prompt_ids")
       prompt = tokenizer.encode(FLAGS.prompt).ids
     else:
       raise ValueError("give --prompt_ids or --prompt")

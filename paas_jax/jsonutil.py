@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import pathlib
 
 import numpy as np
 
@@ -22,8 +24,6 @@ def jsonable(x):
 
 def write_json(path, obj) -> None:
   """Writes ``obj`` as strict, indented JSON, creating parent folders, and says where."""
-  import json
-  import pathlib
   out = pathlib.Path(path)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(jsonable(obj), indent=1, allow_nan=False))

@@ -62,8 +62,8 @@ def generate(force: bool = False) -> list[Path]:
     todo = [p for p in protos if force or _is_stale(p)]
     if not todo:
       return []
-    # Imported lazily: a checkout whose generated files are fresh does not need
-    # grpcio-tools at run time.
+    # Deferred: grpcio-tools is optional at run time (a checkout whose generated
+    # files are fresh does not need it).
     import grpc_tools
     from grpc_tools import protoc
 

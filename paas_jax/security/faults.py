@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 import threading
 import time
 from typing import Iterator
@@ -198,10 +199,15 @@ class ChunkCorrupter(grpc.StreamUnaryClientInterceptor):
       with DATA_LOSS once the receiver's retry limit is reached).
     match: only chunks whose key contains this string.
     skip: let this many matching chunks through untouched first.
+    transfer: only chunks of transfers whose id matches this regular
+      expression (``re.search``; e.g. ``^seg:1:.*:victim`` for one segment of
+      one chunk-streamed request); "": every transfer.
   """
 
-  def __init__(self, times: int | None = 1, *, match: str = "", skip: int = 0):
+  def __init__(self, times: int | None = 1, *, match: str = "", skip: int = 0,
+               transfer: str = ""):
     self.times, self.match, self.skip = times, match, skip
+    self.transfer = re.compile(transfer) if transfer else None
     self.seen = 0
     self.corrupted = 0
     self._lock = threading.Lock()
@@ -217,7 +223,9 @@ class ChunkCorrupter(grpc.StreamUnaryClientInterceptor):
   def _frames(self, frames) -> Iterator:
     for frame in frames:
       if (frame.WhichOneof("body") == "chunk" and self.match in frame.chunk.key
-          and frame.chunk.data and self._hit()):
+          and frame.chunk.data
+          and (self.transfer is None or self.transfer.search(frame.chunk.transfer_id))
+          and self._hit()):
         bad = type(frame)()
         bad.CopyFrom(frame)
         data = bytearray(bad.chunk.data)
@@ -245,6 +253,8 @@ class FaultPlan:
     kill_on_transfer: ... during the n-th transfer (1-based) of the process.
     corrupt_chunks: corrupt this many chunk frames on the wire (see
       ``ChunkCorrupter``); the receiver detects and the sender resends them.
+    corrupt_transfer: ... only chunks of transfers whose id matches this
+      regular expression (no commas; "": any transfer).
     delay_first_token_s: sleep before reporting the first token (widens the
       window for fault tests).
     layer_delay_s: sleep after handing each layer to the sender, so a
@@ -264,6 +274,7 @@ class FaultPlan:
   kill_after_layers: int = 0
   kill_on_transfer: int = 1
   corrupt_chunks: int = 0
+  corrupt_transfer: str = ""
   delay_first_token_s: float = 0.0
   layer_delay_s: float = 0.0
   kill_after_commits: int = 0
@@ -283,7 +294,10 @@ class FaultPlan:
       key, sep, value = item.partition("=")
       if not sep or key not in fields:
         raise ValueError(f"bad fault {item!r}; known: {sorted(fields)}")
-      setattr(plan, key, float(value) if key.endswith("_s") else int(value))
+      if fields[key] == "str":
+        setattr(plan, key, value)
+      else:
+        setattr(plan, key, float(value) if key.endswith("_s") else int(value))
     return plan
 
   @property
@@ -298,7 +312,7 @@ class FaultPlan:
     more corruption: ``plan.corrupter.times = plan.corrupter.corrupted + 2``)."""
     with self._lock:
       if self._corrupter is None:
-        self._corrupter = ChunkCorrupter(self.corrupt_chunks)
+        self._corrupter = ChunkCorrupter(self.corrupt_chunks, transfer=self.corrupt_transfer)
       return self._corrupter
 
   def interceptors(self) -> list[grpc.StreamUnaryClientInterceptor]:

@@ -13,8 +13,10 @@ attempt it asks the ``NodePool`` for nodes and runs one of three shapes:
        and streams it to the decode node's StateTransfer port (over the WAN
        for PrfaaS, inside region B for PD-P);
     3. on ``FirstToken``: ``Decode.Handoff(first_token)`` (a follower thread
-       reads the Prefill stream); the decode node inserts the request once
-       state and token are both there; ``CommitPoint`` events tell how much of
+       reads the Prefill stream; phase TRANSFERRING, then WAITING_FOR_STATE
+       once the Handoff is answered); the decode node inserts the request once
+       state and token are both there (its slot event: DECODING);
+       ``CommitPoint`` events tell how much of
        the prompt region B holds verified (a failed attempt resumes from it:
        ``resume.py``);
     4. tokens flow back on the Decode stream (``_relay``); ``TransferDone``
@@ -36,12 +38,13 @@ import grpc
 
 from paas_jax.observability.logs import request_metadata
 from paas_jax.proto import serving_pb2
-from paas_jax.serving import common
+from paas_jax.serving import common, logprobs
 from paas_jax.serving.node_pool import NodeKind, NodePool
 from paas_jax.serving.prefix_shipping import PrefixShipper
 from paas_jax.serving.resume import ResumeMetrics, ResumePolicy
 from paas_jax.serving.request_lifecycle import (AttemptFailed, FailureCause, RequestPhase,
-                                                RequestRecord, retry_decision)
+                                                RetryAction, lost_node, retry_decision)
+from paas_jax.serving.request_record import RequestRecord
 from paas_jax.serving.routing import PDP, PRFAAS
 from paas_jax.serving.validation import RequestParams
 
@@ -52,6 +55,13 @@ Code = grpc.StatusCode
 def sampling_msg(params: RequestParams) -> serving_pb2.SamplingParams:
   s = params.sampling
   return serving_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+
+
+def _prefill_side(code: grpc.StatusCode) -> FailureCause:
+  """The cause of a failure on a streamed attempt's prefill path: DATA_LOSS
+  means the state arrived damaged (a chunk that failed its checksum for good,
+  or the logit probe at the handoff), anything else a prefill/transfer fault."""
+  return FailureCause.STATE_DAMAGED if code == Code.DATA_LOSS else FailureCause.PREFILL
 
 
 class AttemptRunner:
@@ -78,6 +88,9 @@ class AttemptRunner:
     self.resume_policy = resume_policy if resume_policy is not None else ResumePolicy()
     self.resume_metrics = ResumeMetrics(metrics.registry) if metrics is not None else None
     self.live = None
+    # This broker's decode region as a tenant of a shared prefill pool
+    # (PrefillRequest.tenant; "": the pool's default tenant).
+    self.tenant = ""
 
   def run(self, rec: RequestRecord, prompt, params, calls, context):
     """Runs the request's attempts (a generator of GenerateResponse), re-prefilling
@@ -125,57 +138,49 @@ class AttemptRunner:
         return
       except AttemptFailed as e:
         rec.lifecycle.fail_attempt(att, e)
-        if e.code == Code.UNAVAILABLE and not rec.client_gone:
-          # Its connection broke: out of routing until a health probe (over the
-          # same channel) succeeds again.
-          if e.cause == FailureCause.DECODE:
-            self.pool.mark_down(NodeKind.DECODE, di, e.message)
-          elif e.cause == FailureCause.PREFILL and pi is not None:
-            self.pool.mark_down(NodeKind.PREFILL, pi, e.message)
-        if not self._retry_decision(rec, e, att, context).retry:
+        # Its connection broke: out of routing until a health probe (over the
+        # same channel) succeeds again.
+        lost = lost_node(e.cause, e.code, rec.client_gone)
+        if lost == FailureCause.DECODE:
+          self.pool.mark_down(NodeKind.DECODE, di, e.message)
+        elif lost == FailureCause.PREFILL and pi is not None:
+          self.pool.mark_down(NodeKind.PREFILL, pi, e.message)
+        if pi is not None and e.cause != FailureCause.DECODE:
+          bad_prefill.add(pi)
+        decision = self._retry_decision(rec, e, att, context, route=route, di=di,
+                                        bad_prefill=bad_prefill, prompt_len=len(prompt))
+        if not decision.retry:
           raise
         attempt += 1
         calls.clear()
-        if e.cause == FailureCause.DECODE:
-          # The decode server went away: restart from a prefill on another one
-          # (remote again if that was the route).
+        if decision.action == RetryAction.RESTART_ON_OTHER_DECODE:
           bad_decode.add(di)
-          self._reroute(rec, route, f"decode server down: {e.code.name}")
-        else:
-          if pi is not None:
-            bad_prefill.add(pi)
-          others = self.pool.healthy_prefill(exclude=bad_prefill)
-          # DATA_LOSS: the state arrived damaged (a chunk that failed its
-          # checksum for good, or a state that failed the logit probe): its
-          # commit points are not trusted either; re-prefill locally from
-          # scratch rather than over the same path again.
-          damaged = e.code == Code.DATA_LOSS
-          resume = None if damaged else self.resume_policy.decide(
-              prompt_tokens=len(prompt), commit_point=rec.commit_point,
-              earlier_id=downstream_id, decode_index=di,
-              decode_healthy=self.pool.healthy(NodeKind.DECODE, di),
-              other_prefill=bool(others), streamed=route == PRFAAS or rec.pd_split)
-          if resume is not None and resume.resume:
-            route = self._reroute(rec, PDP, f"prefill/transfer failed: {e.code.name}; "
-                                  f"{resume.reason}", fallback=True)
-          else:
-            resume = None
-            local = damaged or not others
-            route = self._reroute(rec, PDP if local else PRFAAS,
-                                  f"prefill/transfer failed: {e.code.name}", fallback=local)
+        resume = decision.resume
+        route = self._reroute(rec, decision.route, decision.reason,
+                              fallback=decision.fallback)
       finally:
         self.pool.release(NodeKind.DECODE, di)
         if pi is not None:
           self.pool.release(NodeKind.PREFILL, pi)
 
-  def _retry_decision(self, rec: RequestRecord, e: AttemptFailed, att, context):
-    """``request_lifecycle.retry_decision`` with this request's facts."""
+  def _retry_decision(self, rec: RequestRecord, e: AttemptFailed, att, context, *,
+                      route: str, di: int, bad_prefill: set[int], prompt_len: int):
+    """``request_lifecycle.retry_decision`` with this request's facts: the
+    deadline, the tokens the client has, the healthy nodes and what the resume
+    policy says of the failed attempt's commit point on decode node ``di``."""
+    others = bool(self.pool.healthy_prefill(exclude=bad_prefill))
+    offer = self.resume_policy.decide(
+        prompt_tokens=prompt_len, commit_point=rec.commit_point,
+        earlier_id=att.downstream_id, decode_index=di,
+        decode_healthy=self.pool.healthy(NodeKind.DECODE, di), other_prefill=others,
+        streamed=route == PRFAAS or rec.pd_split)
     return retry_decision(
         e.cause, e.code, att.number, max_attempts=self.max_attempts,
         client_gone=rec.client_gone, time_left_s=common.remaining_s(context),
-        tokens_delivered=len(rec.delivered),
+        tokens_delivered=len(rec.delivered) - rec.early_tokens,
         other_decode_healthy=self.pool.other_decode_healthy(
-            self.pool.decode_index(rec.decode_server)))
+            self.pool.decode_index(rec.decode_server)),
+        route=route, other_prefill_healthy=others, resume=offer)
 
   def _reroute(self, rec: RequestRecord, route: str, cause: str, fallback: bool = False) -> str:
     rid = rec.request_id
@@ -197,10 +202,12 @@ class AttemptRunner:
                       downstream_id: str, resume_from: str = "") -> serving_pb2.DecodeRequest:
     return serving_pb2.DecodeRequest(
         request_id=downstream_id, model=self.model_name,
-        prompt_ids=[] if remote else prompt, remote_prefill=remote, prompt_len=len(prompt),
+        # A remote request's prompt too: the decode node looks it up in its own
+        # prefix cache and holds what it has (DecodeEvent.held_tokens).
+        prompt_ids=prompt, remote_prefill=remote, prompt_len=len(prompt),
         sampling=sampling_msg(params), seed=params.seed,
         max_new_tokens=params.max_new_tokens, stop_tokens=list(params.stop_tokens),
-        resume_from=resume_from)
+        resume_from=resume_from, **logprobs.wire_fields(params.logprobs))
 
   def _pd_prefill(self, rec, prompt, params, calls, context, downstream_id: str, di: int):
     """Route pdp, decoding on PD node ``di``: colocated when ``di`` also serves
@@ -228,7 +235,7 @@ class AttemptRunner:
       yield from self._remote_once(rec, prompt, params, calls, context, downstream_id, di,
                                    None, pd_node=ni, on_prefill_done=release)
     except AttemptFailed as e:
-      if e.cause == FailureCause.PREFILL and e.code == Code.UNAVAILABLE and not rec.client_gone:
+      if lost_node(e.cause, e.code, rec.client_gone) == FailureCause.PREFILL:
         self.pool.mark_down(NodeKind.PDP, ni, e.message)
       raise
     finally:
@@ -291,7 +298,9 @@ class AttemptRunner:
     preq = serving_pb2.PrefillRequest(
         request_id=downstream_id, model=self.model_name, prompt_ids=prompt,
         sampling=sampling_msg(params), seed=params.seed,
-        decode_target=state_target, codec_json=self.codec_json)
+        decode_target=state_target, codec_json=self.codec_json,
+        tenant=self.tenant, decode_held_tokens=accepted.held_tokens,
+        **logprobs.wire_fields(params.logprobs))
     pcall = pstub.Prefill(preq, timeout=common.remaining_s(context), metadata=md)
     calls["prefill"] = pcall
     if rec.client_gone:
@@ -327,11 +336,14 @@ class AttemptRunner:
           rec.cached_tokens = ft.cached_tokens
           rec.lifecycle.advance(RequestPhase.TRANSFERRING, att)
           # The prefill side's logit probe goes along: the decode server checks
-          # the state it received against it before decoding (DATA_LOSS if not).
+          # the state it received against it before decoding (DATA_LOSS if not);
+          # so does the first token's TokenLogprob (streamed by the decode side).
           dstub.Handoff(serving_pb2.HandoffRequest(
               request_id=downstream_id, first_token=ft.token_id,
-              probe=ft.probe if ft.HasField("probe") else None),
+              probe=ft.probe if ft.HasField("probe") else None,
+              first_logprob=ft.logprob if ft.HasField("logprob") else None),
                         timeout=common.CONTROL_TIMEOUT_S, metadata=md)
+          rec.lifecycle.state_awaited(att)
         elif ev.HasField("commit"):
           rec.commit_point = max(rec.commit_point, ev.commit.tokens)
         elif ev.HasField("done"):
@@ -364,12 +376,12 @@ class AttemptRunner:
       # The prefill side failed first; the follower cancelled the decode stream.
       pcode, pdetails = rec.prefill_error
       return AttemptFailed(pcode, f"prefill server {rec.prefill_server}: {pdetails}",
-                           FailureCause.PREFILL)
+                           _prefill_side(pcode))
     if code in (Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED):
       return AttemptFailed(code, f"{who}: {details}", FailureCause.REQUEST)
     # e.g. a state transfer that failed on the decode side (DATA_LOSS, CANCELLED,
     # DEADLINE_EXCEEDED): the prefill path's fault.
-    return AttemptFailed(code, f"{who}: {details}", FailureCause.PREFILL
+    return AttemptFailed(code, f"{who}: {details}", _prefill_side(code)
                          if rec.route == PRFAAS or rec.pd_split else FailureCause.DECODE)
 
   def _relay(self, rec: RequestRecord, dcall, context):
@@ -379,11 +391,14 @@ class AttemptRunner:
     replay = list(rec.delivered)
     if decoder is not None and replay:
       decoder.feed(replay)
+    slotted = False  # tokens before the slot: the first token, streamed early
     try:
       for ev in dcall:
         if ev.accepted:
           continue
         if not ev.token_ids and not ev.finished:  # the request got its slot
+          slotted = True
+          rec.lifecycle.state_restored()
           rec.decode_queue_s = ev.queue_s
           if rec.route == PDP and not rec.pd_split:  # colocated: prefill stats come here
             rec.prefill_s, rec.prefill_queue_s = ev.prefill_s, ev.prefill_queue_s
@@ -393,23 +408,29 @@ class AttemptRunner:
             self._resumed(rec, ev.resumed_tokens)
           continue
         tokens = list(ev.token_ids)
+        lps = list(ev.logprobs)  # one per token when the request asked, else none
         while replay and tokens:
           if tokens[0] != replay[0]:
             raise AttemptFailed(Code.ABORTED, "the restarted request diverged from the tokens "
                                 "already sent; retry the request")
           tokens.pop(0)
           replay.pop(0)
+          if lps:
+            lps.pop(0)
         if not tokens and not ev.finished:
           continue
         out = serving_pb2.GenerateResponse(request_id=rec.request_id)
         out.token_ids.extend(tokens)
+        if lps:
+          out.logprobs.extend(logprobs.with_text(lps, self.tokenizer))
         rec.delivered.extend(tokens)
+        if not slotted:
+          rec.early_tokens += len(tokens)
         rec.generated = len(rec.delivered)
         if decoder is not None and tokens:
           out.text = decoder.feed(tokens)
         if tokens and not rec.first_token_s:
           rec.first_token_s = rec.elapsed()
-          rec.lifecycle.advance(RequestPhase.DECODING)
           out.summary.CopyFrom(rec.summary())
           if self.metrics is not None:
             self.metrics.observe_first_token(rec.route, rec.first_token_s)

@@ -38,19 +38,20 @@ import grpc
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.scheduling import FinishedRequest, rebalance_step
 from paas_jax.security.hooks import server_interceptors
-from paas_jax.serving import common
-from paas_jax.serving import pd_roles
+from paas_jax.serving import common, control_plane, pd_roles
+from paas_jax.serving.control_plane import model_config_from_decode
 from paas_jax.serving.attempt_runner import AttemptRunner
 from paas_jax.serving.live_view import LiveClusterState
 from paas_jax.serving.node_pool import DecodeTarget, NodePool
 from paas_jax.serving.prefix_shipping import PrefixShipper
-from paas_jax.serving.request_lifecycle import AttemptFailed, RequestPhase, RequestRecord
+from paas_jax.serving.request_lifecycle import AttemptFailed, RequestPhase
+from paas_jax.serving.request_record import RequestRecord
 from paas_jax.serving.resume import ResumePolicy
-from paas_jax.serving.validation import (InvalidRequestError, RequestParams,
+from paas_jax.serving.validation import (InvalidRequestError, RequestParams, requested_logprobs,
                                          make_sampling, validate_request)
 from paas_jax.serving.routing import (PDP, PRFAAS, RouteDecision, RouteRequest, RoutingPolicy,
                                       make_policy)
-from paas_jax.serving.tokenizer import ServedText, byte_text, served_text
+from paas_jax.serving.tokenizer import ServedText, random_init_text, served_text
 
 # Also public here (launchers and tests): make_policy, served_text, DecodeTarget.
 __all__ = ["BrokerServer", "BrokerServicer", "DecodeTarget", "RequestRecord",
@@ -94,10 +95,11 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     self.config = model_config
     self.policy = policy
     # The served name, tokenizer, chat template and EOS ids (serving/tokenizer.py).
-    # Default: a random-init config served by name (byte-level text if it fits).
+    # Default: a random-init config served by name (Qwen's bundled vocabulary or
+    # byte-level text, if either fits).
     if text is None:
       text = (ServedText(model_config.name, tokenizer, "checkpoint") if tokenizer is not None
-              else byte_text(model_config.name, model_config.vocab_size))
+              else random_init_text(model_config.name, model_config.vocab_size))
     self.text = text
     self.tokenizer = text.tokenizer
     self.metrics = metrics  # paas_jax.observability.ServingMetrics or None
@@ -145,6 +147,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
                                  link_bandwidth_bps=link_bandwidth_bps, poll_s=poll_s)
     self.live.probe_enabled = probe_prefix
     self.live.instance_counts = self.instance_counts
+    self.live.on_load_report = self.pool.observe_load
     self.policy.attach_view(self.live.view)
     self.runner.live = self.shipper.live = self.live
     self.rebalance_apply = apply_threshold
@@ -259,7 +262,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         seed=int(request.seed), max_new_tokens=int(request.max_new_tokens),
         stop_tokens=tuple(dict.fromkeys(
             [int(t) for t in request.stop_tokens]
-            + ([] if request.ignore_eos else list(self.text.eos_token_ids)))))
+            + ([] if request.ignore_eos else list(self.text.eos_token_ids)))),
+        logprobs=requested_logprobs(request.logprobs, request.top_logprobs))
     validate_request(self.config, prompt, params)
     return prompt, params
 
@@ -402,6 +406,11 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         "decode": [dataclasses.asdict(t) for t in self.decode_targets],
         "inflight": inflight, "recent": recent, "router": self.router_info()}))
 
+  def GetModel(self, request, context):
+    """The served model, typed (``ServedModel``; the OpenAI gateway reads it)."""
+    return control_plane.served_model(self.config, max_model_len=self.config.max_seq_len,
+                                      text=self.text)
+
   def router_info(self) -> dict:
     """The policy in force, its threshold, the live view and the last rebalance."""
     return {**self.policy.describe(),
@@ -475,16 +484,6 @@ def start(model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str]
   servicer.start_health()
   control.set_serving([SERVICE])
   return BrokerServer(servicer, control)
-
-
-def model_config_from_decode(target: str, credentials: grpc.ChannelCredentials | None = None):
-  """The served model's config as a decode server reports it (for checkpoints)."""
-  # Deferred: paas_jax.models loads JAX, which the broker process otherwise never needs.
-  from paas_jax.models import ModelConfig  # pylint: disable=g-import-not-at-top
-  with common.make_channel(target, credentials) as ch:
-    r = serving_pb2_grpc.DecodeStub(ch).GetStats(serving_pb2.StatsRequest(),
-                                                 timeout=common.CONTROL_TIMEOUT_S)
-  return ModelConfig.from_dict(json.loads(r.json)["config"])
 
 
 if __name__ == "__main__":

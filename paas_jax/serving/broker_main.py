@@ -11,6 +11,7 @@ import os
 
 from absl import app, flags
 
+from paas_jax.models import load_config
 from paas_jax.security import cli as security_cli
 from paas_jax.serving import common
 from paas_jax.serving import pd_roles
@@ -25,8 +26,6 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
-  # Deferred: paas_jax.models loads JAX, needed only to resolve --config.
-  from paas_jax.models import load_config  # pylint: disable=g-import-not-at-top
   security_cli.setup_logging("broker", FLAGS.log_level)
   security = security_cli.security_from_flags("broker")
   metrics, metrics_port = security_cli.start_metrics("broker")
@@ -56,6 +55,7 @@ def main(argv):
                  port=FLAGS.port, codec_json=FLAGS.codec_json, text=text,
                  security=security, metrics=metrics, max_attempts=FLAGS.max_attempts,
                  max_request_bytes=FLAGS.max_request_bytes, roles=roles)
+  server.servicer.runner.tenant = FLAGS.tenant
   if FLAGS.prefill_transfer and len(FLAGS.prefill_transfer) != len(FLAGS.prefill):
     raise app.UsageError("--prefill_transfer needs one entry per --prefill")
   server.servicer.enable_prefix_transfer(FLAGS.prefill_transfer,
@@ -104,6 +104,8 @@ def define_flags() -> None:
                        "the last K are PD-P, the rest PD-D (-1: N // 2). One server: both.")
   flags.DEFINE_float("threshold", 128, "Selective offloading: prompts longer than this many "
                      "tokens are prefilled remotely (<0: never).")
+  flags.DEFINE_string("tenant", "", "This broker's decode region as a tenant of a shared "
+                      "prefill pool (fair sharing, egress per link); '': the default tenant.")
   flags.DEFINE_string("codec_json", "", "CodecOptions JSON for the link (empty: server default).")
   flags.DEFINE_enum("router", "adaptive", ["static", "adaptive"],
                     "adaptive: PrfaasRouter (bandwidth regime, queue-aware t, prefix caches "

@@ -21,6 +21,10 @@ starts ``copy_to_host_async`` and queues; a sender thread materialises and
 hands layers to the transport, bounded by ``max_pending`` queued slices (flow
 control back to prefill when the link is slower).
 
+Prompt tokens the decode side already holds in its own prefix cache
+(``held``) are never sent: they are segment 0, committed from the start
+(``state_intake.StateIntake.hold`` restores them there).
+
 Segment transfer ids (``segment_wire_id``) carry what the decode side needs
 to build the segment's template before any byte arrives:
 ``"seg:<index>:<start>:<end>:<c|p>:<request id>"``.
@@ -37,8 +41,8 @@ from concurrent import futures
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
+from paas_jax.codec.encode import spans_devices, wire_arrays
 from paas_jax.codec.options import CodecOptions
 from paas_jax.models.config import ModelConfig
 from paas_jax.state import AttentionCache, DecodeState, MLACache, abstract_state
@@ -119,6 +123,11 @@ def slice_chunk(cache: Any, row: int, start: int, end: int) -> Any:
   else:
     out = jax.tree_util.tree_map(lambda x: _take_row(x, row), cache)
   for leaf in jax.tree_util.tree_leaves(out):
+    if spans_devices(leaf):  # each shard from its own device (no gather)
+      for shard in leaf.addressable_shards:
+        if shard.replica_id == 0:
+          shard.data.copy_to_host_async()
+      continue
     copy = getattr(leaf, "copy_to_host_async", None)
     if copy is not None:
       copy()
@@ -197,6 +206,11 @@ class ChunkStreamer:
     on_commit: called with the new commit point (tokens) each time it grows.
     start_token: first token streamed (a resumed prefill starts at its commit point).
     first_index: index of the first segment (default ``start_token // chunk``).
+    held: prompt tokens ``[0, held)`` the decode side already holds in its own
+      prefix cache (``PrefillRequest.decode_held_tokens``): they are segment 0,
+      committed from the start and never sent (the decode side restores it:
+      ``state_intake.StateIntake.hold``); every chunk part below ``held`` is
+      dropped, a chunk across it is sent from ``held``. 0 with ``start_token``.
 
   Segment indices follow the order in which chunks first reach ``put`` (so a
   cached prefix handed over as one chunk ``[0, reused)`` is segment 0 and the
@@ -207,9 +221,12 @@ class ChunkStreamer:
   def __init__(self, sender, config: ModelConfig, request_id: str, prompt_len: int, *,
                chunk: int, commit_every: int = 1, codec=None, max_pending: int = 64,
                on_commit: Callable[[int], None] | None = None, start_token: int = 0,
-               finishers: int = 2, first_index: int | None = None):
+               finishers: int = 2, first_index: int | None = None, held: int = 0):
     if commit_every < 1 or chunk < 1:
       raise ValueError("ChunkStreamer: chunk and commit_every must be >= 1")
+    if not 0 <= held < prompt_len or (held and (start_token or first_index)):
+      raise ValueError(f"ChunkStreamer: held={held} must be in [0, {prompt_len}) and comes "
+                       "without start_token / first_index")
     self.sender, self.config = sender, config
     self.request_id, self.prompt_len = request_id, prompt_len
     self.chunk, self.commit_every = chunk, commit_every
@@ -223,6 +240,12 @@ class ChunkStreamer:
     self._start_index = start_token // chunk if first_index is None else first_index
     self._index_of: dict[int, int] = {}   # chunk start -> segment index (prefill thread)
     self._next_index = self._start_index
+    self.held = held
+    if held:
+      # Segment 0 is the decode side's own prefix: committed, zero bytes sent.
+      seg = SegmentId(request_id, 0, 0, held, True)
+      self._records[0] = SegmentRecord(seg, True)
+      self._commit_point, self._next_index = held, 1
     self._aborted = False
     self._error: BaseException | None = None
     self._pool = futures.ThreadPoolExecutor(max_workers=finishers,
@@ -245,6 +268,7 @@ class ChunkStreamer:
   def put(self, layer_index: int, cache: Any, start: int, end: int, row: int = 0) -> None:
     """Hands layer ``layer_index`` of the chunk ``[start, end)`` (batched device
     cache, this request in ``row``) to the stream; never waits for the copy."""
+    start = max(start, self.held)  # the decode side holds [0, held) already
     if self._aborted or end <= start:
       return
     seg = self.segment(start, end)
@@ -281,7 +305,9 @@ class ChunkStreamer:
                                  codec=self.codec, transfer_id=seg.wire())
           open_tx[seg.index] = (tx, list(segment_layers(self.config, seg.commit)))
         tx, layers = open_tx[seg.index]
-        host = jax.tree_util.tree_map(np.asarray, cache)  # waits for this copy only
+        # Waits for this copy only; a leaf spread over devices (tensor
+        # parallelism) is encoded shard by shard from each device, no gather.
+        host = wire_arrays(cache)
         tx.send_layer(layers.index(layer_index), host)
         if layer_index == layers[-1]:
           del open_tx[seg.index]

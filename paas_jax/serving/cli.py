@@ -18,6 +18,9 @@ def define_server_flags(role: str):
   flags.DEFINE_enum("dtype", "", ["", "float32", "bfloat16"], "Serving dtype of weights, "
                     "activations and KV cache (recurrent states stay f32); empty: the "
                     "config's / checkpoint's.")
+  flags.DEFINE_integer("tp", 1, "Tensor-parallel degree: the model sharded over this many "
+                       "local devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_"
+                       "count=N); tokens equal --tp=1's.")
   flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
   flags.DEFINE_integer("port", 0, "Control port (0: pick a free one).")
   flags.DEFINE_string("ready_file", None, "Write ports/pid as JSON here once serving.")
@@ -47,5 +50,6 @@ def setup_process(role: str):
   security = security_cli.security_from_flags(role)  # before the slow model load
   metrics, metrics_port = security_cli.start_metrics(role)
   common.enable_compilation_cache(FLAGS.compilation_cache or common.default_compilation_cache())
-  model, _ = common.load_model(FLAGS.config, FLAGS.seed, FLAGS.checkpoint, FLAGS.dtype)
+  model, _ = common.load_model(FLAGS.config, FLAGS.seed, FLAGS.checkpoint, FLAGS.dtype,
+                               tp=FLAGS.tp)
   return model, security, metrics, metrics_port

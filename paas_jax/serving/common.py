@@ -170,22 +170,30 @@ def enable_compilation_cache(path: str | None) -> None:
 
 
 def load_model(config_name: str, seed: int = 0, checkpoint: str | None = None,
-               dtype: str | None = None):
+               dtype: str | None = None, tp: int = 1):
   """(Model, tokenizer or None): a checkpoint, or random init from ``seed``.
 
   Random init is deterministic, so every process given the same config and
   seed holds the same weights. ``dtype`` ("bfloat16", "float32"): serve in
-  that dtype (``with_dtype``) whatever the source's.
+  that dtype (``with_dtype``) whatever the source's. ``tp`` > 1: parameters
+  sharded over that many local devices (``tensor_parallel.py``); a checkpoint
+  is restored straight into its shards.
   """
   # Deferred: JAX (see enable_compilation_cache).
   from paas_jax.models import api, load_config  # pylint: disable=g-import-not-at-top
+  from paas_jax.serving import tensor_parallel  # pylint: disable=g-import-not-at-top
+  mesh = tensor_parallel.local_mesh(tp) if tp > 1 else None
   if checkpoint:
+    # Deferred: JAX (see enable_compilation_cache).
     from paas_jax.checkpoints import load_checkpoint  # pylint: disable=g-import-not-at-top
-    loaded = load_checkpoint(checkpoint)
+    loaded = load_checkpoint(checkpoint, mesh=mesh, axis=tensor_parallel.TP_AXIS if mesh else None)
     model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
   else:
     model, tokenizer = api.Model.create(load_config(config_name), seed=seed), None
-  return (with_dtype(model, dtype) if dtype else model), tokenizer
+  model = with_dtype(model, dtype) if dtype else model
+  if mesh is not None and tensor_parallel.tp_degree(model) != tp:
+    model = tensor_parallel.shard_model(model, mesh)
+  return model, tokenizer
 
 
 def with_dtype(model, dtype: str):
@@ -234,81 +242,22 @@ def wait_for_termination(on_stop: Callable[[], None]) -> None:
     on_stop()
 
 
-class ProbeError(ValueError):
-  """A malformed prefix probe in a ``StatsRequest``; ``code`` is the status to answer."""
-
-  def __init__(self, code: grpc.StatusCode, message: str):
-    super().__init__(message)
-    self.code = code
-
-
-def probe_gauges(engine, request, context) -> dict:
-  """``prefix_cache_gauges`` for a GetStats ``request``; a bad probe aborts
-  the call with the ``ProbeError``'s code (INVALID_ARGUMENT / FAILED_PRECONDITION)."""
-  try:
-    return prefix_cache_gauges(engine, request.prefix_probe_ids,
-                               probe_hashes=request.prefix_probe_hashes,
-                               probe_block=request.prefix_probe_block)
-  except ProbeError as e:
-    context.abort(e.code, f"GetStats: {e}")
-    raise  # context.abort raises; kept for callers passing a stub context
-
-
-def prefix_cache_gauges(engine, probe_ids: Sequence[int] = (), *,
-                        probe_hashes: Sequence[bytes] = (), probe_block: int = 0) -> dict:
-  """GetStats gauges of a ``PrefillEngine``'s prefix cache, plus the cached
-  prefix length (``prefix_cached_tokens``, tokens) of a probe when given:
-  either the prompt's ids (``probe_ids``) or the chained hashes of the complete
-  ``probe_block``-token blocks of prompt[:len-1] (``probe_hashes``, see
-  ``StatsRequest``); both forms give the same answer.
-
-  Raises:
-    ProbeError: INVALID_ARGUMENT for ids and hashes together, hashes with a
-      block <= 0 or a hash that is not ``HASH_BYTES`` long;
-      FAILED_PRECONDITION for a block size other than this cache's (the hashes
-      cannot match: the broker re-learns the block from ``prefix_block``).
-  """
-  hashed = bool(probe_hashes) or probe_block != 0
-  if hashed:
-    # Deferred: paas_jax.state loads JAX; this module stays JAX-free for the broker.
-    from paas_jax.state.prefix_cache import HASH_BYTES  # pylint: disable=g-import-not-at-top
-    if probe_ids:
-      raise ProbeError(grpc.StatusCode.INVALID_ARGUMENT,
-                       "give prefix_probe_ids or prefix_probe_hashes, not both")
-    if probe_block <= 0:
-      raise ProbeError(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"prefix_probe_block must be > 0 with prefix_probe_hashes, got "
-                       f"{probe_block}")
-    bad = next((i for i, h in enumerate(probe_hashes) if len(h) != HASH_BYTES), None)
-    if bad is not None:
-      raise ProbeError(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"prefix_probe_hashes[{bad}] has {len(probe_hashes[bad])} bytes, "
-                       f"not {HASH_BYTES}")
+def prefix_cache_gauges(engine) -> dict:
+  """GetStats gauges of a ``PrefillEngine``'s prefix cache (for people and
+  Prometheus; the broker probes with the typed ``ProbePrefix``)."""
   cache = getattr(engine, "prefix_cache", None)
   if cache is None:
     return {"prefix_cache_enabled": 0.0}
-  if hashed and probe_block != cache.block_size:
-    raise ProbeError(grpc.StatusCode.FAILED_PRECONDITION,
-                     f"prefix_probe_block is {probe_block} but this server's prefix cache "
-                     f"uses {cache.block_size}-token blocks (gauge prefix_block)")
   st = cache.stats
   # Hits are counted per prompt by the engine (what reuse actually saved);
   # the cache's lookup counters are kept as prefix_lookup_*.
   prompts = int(getattr(engine, "prefix_prompts", 0))
   hit = int(getattr(engine, "prefix_prompts_hit", 0))
-  out = {"prefix_cache_enabled": 1.0, "prefix_block": float(cache.block_size),
-         "prefix_blocks": float(st.blocks), "prefix_checkpoints": float(st.checkpoints),
-         "prefix_bytes": float(st.nbytes), "prefix_hits": float(hit),
-         "prefix_misses": float(prompts - hit),
-         "prefix_hit_tokens": float(getattr(engine, "prefix_reused_tokens", 0)),
-         "prefix_lookup_hits": float(st.hits), "prefix_lookup_misses": float(st.misses),
-         "prefix_lookup_hit_tokens": float(st.hit_tokens),
-         "prefix_released_bytes": float(getattr(engine, "prefix_released_bytes", 0)),
-         # This server takes StatsRequest.prefix_probe_hashes (a broker sends
-         # them only to servers that say so; older ones would answer 0).
-         "prefix_probe_hashes": 1.0}
-  if hashed:
-    out["prefix_cached_tokens"] = float(engine.cached_prefix_tokens_hashed(list(probe_hashes)))
-  elif probe_ids:
-    out["prefix_cached_tokens"] = float(engine.cached_prefix_tokens(list(probe_ids)))
-  return out
+  return {"prefix_cache_enabled": 1.0, "prefix_block": float(cache.block_size),
+          "prefix_blocks": float(st.blocks), "prefix_checkpoints": float(st.checkpoints),
+          "prefix_bytes": float(st.nbytes), "prefix_hits": float(hit),
+          "prefix_misses": float(prompts - hit),
+          "prefix_hit_tokens": float(getattr(engine, "prefix_reused_tokens", 0)),
+          "prefix_lookup_hits": float(st.hits), "prefix_lookup_misses": float(st.misses),
+          "prefix_lookup_hit_tokens": float(st.hit_tokens),
+          "prefix_released_bytes": float(getattr(engine, "prefix_released_bytes", 0))}

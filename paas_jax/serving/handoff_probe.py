@@ -54,6 +54,15 @@ def make(model, output) -> serving_pb2.LogitProbe:
   return to_proto(logit_probe.make_probe(model, output.state, output.first_token))
 
 
+def warm(model, max_ctx: int) -> float:
+  """Compiles the probe step for every context octave below ``max_ctx`` (at
+  server start, so that a probe costs one decode step from the first
+  request on); returns seconds spent."""
+  t0 = time.perf_counter()
+  logit_probe.warm(model, max_ctx)
+  return time.perf_counter() - t0
+
+
 def fault_hook(plan, config) -> Callable | None:
   """The ``corrupt`` hook of a ``FaultPlan`` with ``corrupt_states`` (else None):
   damages that many received states (``sensitivity.damage``), logged."""

@@ -17,9 +17,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Sequence
@@ -32,82 +29,12 @@ from paas_jax.security import TLSConfig, channel_credentials
 from paas_jax.security import ca as ca_lib
 from paas_jax.security.auth import write_token_files
 from paas_jax.security.faults import FlakyLink
+from paas_jax.serving import launch_args
+from paas_jax.serving.child_process import LaunchError, Proc, spawn, wait_ready
 
-PY = sys.executable
 # Loopback address PD nodes bind their data plane on when a WAN relay sits in front
 # (the relay takes the announced port on the address region A dials).
 _DATA_PLANE_HOST = "127.0.0.3"
-
-
-class LaunchError(RuntimeError):
-  pass
-
-
-@dataclasses.dataclass
-class Proc:
-  """A child process that signals readiness by writing a JSON file."""
-
-  name: str
-  popen: subprocess.Popen
-  ready_file: pathlib.Path
-  log_file: pathlib.Path
-  info: dict = dataclasses.field(default_factory=dict)
-  args: tuple = ()
-  prefix: tuple = ()
-
-  def log_tail(self, lines: int = 30) -> str:
-    try:
-      return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-      return ""
-
-  def poll_ready(self) -> bool:
-    if self.info:
-      return True
-    if self.popen.poll() is not None:
-      raise LaunchError(f"{self.name} exited with {self.popen.returncode} before it was "
-                        f"ready; last log lines:\n{self.log_tail()}")
-    if self.ready_file.exists():
-      self.info = json.loads(self.ready_file.read_text())
-      return True
-    return False
-
-  def stop(self, timeout_s: float = 10.0) -> None:
-    if self.popen.poll() is None:
-      self.popen.send_signal(signal.SIGTERM)
-      try:
-        self.popen.wait(timeout_s)
-      except subprocess.TimeoutExpired:
-        self.popen.kill()
-        self.popen.wait(5)
-
-
-def spawn(name: str, args: Sequence[str], workdir: pathlib.Path, *,
-          prefix: Sequence[str] = (), env: dict | None = None) -> Proc:
-  ready = workdir / f"{name}.ready.json"
-  log = workdir / f"{name}.log"
-  ready.unlink(missing_ok=True)
-  full_env = dict(os.environ)
-  full_env.update(env or {})
-  full_env.setdefault("PYTHONUNBUFFERED", "1")
-  with open(log, "a") as f:
-    popen = subprocess.Popen([*prefix, PY, *args, f"--ready_file={ready}"], stdout=f,
-                             stderr=subprocess.STDOUT, env=full_env,
-                             cwd=str(pathlib.Path(__file__).resolve().parents[2]))
-  return Proc(name, popen, ready, log, args=tuple(args), prefix=tuple(prefix))
-
-
-def wait_ready(procs: Sequence[Proc], timeout_s: float, on_tick=None) -> None:
-  deadline = time.monotonic() + timeout_s
-  while True:
-    if all(p.poll_ready() for p in procs):
-      return
-    if time.monotonic() > deadline:
-      late = [p.name for p in procs if not p.info]
-      raise LaunchError(f"{late} not ready after {timeout_s:.0f} s")
-    if on_tick is not None:
-      on_tick()
-    time.sleep(0.1)
 
 
 @dataclasses.dataclass
@@ -161,10 +88,15 @@ class ClusterSpec:
   prefill_faults: str = ""
   # Extra prefill-server flags (e.g. "--commit_every=1", "--preempt_grace_s=0.5").
   prefill_args: tuple[str, ...] = ()
+  # Tensor-parallel degree of the prefill and decode servers (--tp; needs that many
+  # local devices: on CPU, XLA_FLAGS=--xla_force_host_platform_device_count).
+  tp: int = 1
   flaky_wan: bool = False
   # Fault injection in every decode server (FaultPlan syntax, e.g.
   # "corrupt_states=2": damage received states behind the transport's checks).
   decode_faults: str = ""
+  # Extra decode-server flags (e.g. "--decode_steps_per_sync=4").
+  decode_args: tuple[str, ...] = ()
   # The fail-closed logit probe at the handoff (both regions; on by default).
   logit_probe: bool = True
   metrics: bool = False         # every process serves /metrics on a free port
@@ -179,32 +111,29 @@ class ClusterSpec:
   # same TLS identity and tokens; its URL is LocalCluster.http_url.
   http: bool = False
   http_port: int = 0  # 0: any free port
-
-
-def _link_bps(link: LinkSpec | None) -> float:
-  """The link capacity the broker's router assumes (no emulation: 10 Gbps)."""
-  if link is None or not 0 < link.bandwidth_bps < float("inf"):
-    return 10e9
-  return float(link.bandwidth_bps)
-
-
-def _server_args(spec: ClusterSpec, host: str) -> list[str]:
-  args = [f"--config={spec.config}", f"--seed={spec.seed}", f"--host={host}", "--port=0",
-          f"--max_ctx={spec.max_ctx}", f"--prefill_max_batch={spec.prefill_max_batch}",
-          f"--prefill_buckets={','.join(str(b) for b in spec.prefill_buckets)}",
-          f"--batch_window_ms={spec.batch_window_ms}", f"--log_level={spec.log_level}",
-          f"--prefix_block={spec.prefix_block}", f"--logit_probe={spec.logit_probe}"]
-  if spec.checkpoint:
-    args.append(f"--checkpoint={spec.checkpoint}")
-  if spec.dtype:
-    args.append(f"--dtype={spec.dtype}")
-  if spec.compilation_cache is not None:
-    args.append(f"--compilation_cache={spec.compilation_cache}")
-  return args
+  # Prefill as a shared service: one region-A pool serving N decode regions
+  # (B, C, ...), each with its own PD nodes, link (region_links[i], default
+  # ``link``), relay and broker (tenant "B", "C", ...). The pool shares its
+  # batches between them by "wfq" (weights "B=2,C=1") or "fifo", with at most
+  # ``tenant_quota`` prompts waiting per tenant (0: no per-tenant cap).
+  decode_regions: int = 1
+  region_links: tuple[LinkSpec | None, ...] = ()
+  tenant_sharing: str = "wfq"
+  tenant_weights: str = ""
+  tenant_quota: int = 0
+  # Region A as a prefill pod of this many processes (one JAX program, TP over
+  # prefill_pod x prefill_pod_devices devices; serving/pod_prefill_server.py;
+  # 1: the single-process prefill server). prefill_pod_fault: "<process>:
+  # prefill|transfer", that pod process exits during its first request.
+  prefill_pod: int = 1
+  prefill_pod_devices: int = 1
+  prefill_pod_fault: str = ""
 
 
 class LocalCluster:
-  """Region A, region B, the WAN relay and the broker as child processes."""
+  """Region A, the decode regions (B, C, ...), their WAN relays and brokers as
+  child processes. Region B's processes keep their plain names ("decode",
+  "decode1", "relay", "broker"); region C's are "c.decode", "c.relay", ..."""
 
   def __init__(self, spec: ClusterSpec, workdir: str | os.PathLike | None = None):
     self.spec = spec
@@ -216,11 +145,37 @@ class LocalCluster:
     self.workdir.mkdir(parents=True, exist_ok=True)
     self.procs: dict[str, Proc] = {}
     self.netns = None
-    self.broker_address = ""
+    self.broker_addresses: dict[str, str] = {}
     self.relay_stats_file = self.workdir / "relay_stats.json"
     self.timings: dict[str, float] = {}
     self.certs: pathlib.Path | None = None
     self.wan = None  # a FlakyLink with spec.flaky_wan
+    self.a_host = "127.0.0.1"  # where region A's prefill server serves
+    # Per decode region: (the host region A dials for its transfer ports, the
+    # host its processes bind and are reached on). One host here; each region's
+    # node under Ray (ray_launch.py).
+    self.region_hosts: dict[str, tuple[str, str]] = {}
+
+  # -- placement hooks (ray_launch.RayCluster overrides these) --------------------
+
+  def _place(self) -> tuple[str, str]:
+    """Prepares the machines and sets ``region_hosts``; returns (region A's
+    host, the host region A dials for region B's transfer ports)."""
+    a_host, b_host = "127.0.0.1", "127.0.0.1"
+    if self.spec.link is not None and self.spec.netem == "netns":
+      if self.spec.decode_regions > 1:
+        raise LaunchError("netem='netns' shapes one link: use the relay with decode_regions")
+      self.netns = NetnsLink(self.spec.link).up()
+      a_host, b_host = self.netns.a_ip, self.netns.b_ip
+    self.region_hosts = {r: ("127.0.0.1", "127.0.0.1") for r in self.decode_regions}
+    self.region_hosts["b"] = (b_host, "127.0.0.1")
+    return a_host, b_host
+
+  def _spawn(self, name: str, args: Sequence[str], region: str,
+             prefix: Sequence[str] = ()) -> Proc:
+    """Starts process ``name`` of ``region`` ("a", "b", "c", ...)."""
+    del region  # one host
+    return spawn(name, args, self.workdir, prefix=prefix)
 
   # -- lifecycle ------------------------------------------------------------------
 
@@ -228,117 +183,29 @@ class LocalCluster:
     spec = self.spec
     t0 = time.monotonic()
     try:
-      a_host = b_host = "127.0.0.1"
-      prefix: list[str] = []
-      if spec.link is not None and spec.netem == "netns":
-        self.netns = NetnsLink(spec.link).up()
-        prefix = self.netns.exec_prefix()
-        a_host, b_host = self.netns.a_ip, self.netns.b_ip
-      self._make_certs(a_host, b_host)
-      prefill_args = ["-m", "paas_jax.serving.prefill_server", *_server_args(spec, a_host),
-                      f"--codec_compression={spec.codec_compression}",
-                      f"--transfer_streams={spec.transfer_streams}",
-                      f"--transfer_plane={'grpc' if spec.flaky_wan else spec.transfer_plane}",
-                      f"--transfer_lanes={spec.transfer_lanes}",
-                      # Imports PD-P's prefixes (cross-cluster prefix cache); explicit
-                      # so that restart() keeps the port the relay forwards to.
-                      "--transfer_port=0",
-                      *self._common_args("prefill")]
-      if spec.prefill_faults:
-        prefill_args.append(f"--faults={spec.prefill_faults}")
-      prefill_args += list(spec.prefill_args)
-      decode_args = ["-m", "paas_jax.serving.decode_server",
-                     *_server_args(spec, "127.0.0.1"), "--transfer_port=0",
-                     f"--n_slots={spec.n_slots}", f"--page_size={spec.page_size}",
-                     f"--num_pages={spec.num_pages}", f"--max_queue={spec.max_queue}",
-                     f"--transfer_plane={spec.transfer_plane}",
-                     *self._common_args("decode")]
-      if spec.decode_faults:
-        decode_args.append(f"--faults={spec.decode_faults}")
-      if spec.link is not None and spec.transfer_plane == "tcp":
-        # The relay listens on the announced data-plane port at the host
-        # region A dials (b_host) and forwards to this other loopback address.
-        decode_args.append(f"--data_plane_host={_DATA_PLANE_HOST}")
       if spec.pd_nodes < 1:
         raise LaunchError(f"pd_nodes must be >= 1, got {spec.pd_nodes}")
-      self.procs["prefill"] = spawn("prefill", prefill_args, self.workdir, prefix=prefix)
-      for name in self.pd_names:
-        self.procs[name] = spawn(name, decode_args, self.workdir)
-      wait_ready([self.procs["prefill"]] + [self.procs[n] for n in self.pd_names],
-                 spec.startup_timeout_s, on_tick)
+      if not 1 <= spec.decode_regions <= 8:
+        raise LaunchError(f"decode_regions must be in [1, 8], got {spec.decode_regions}")
+      a_host, b_host = self._place()
+      self.a_host = a_host
+      prefix = self.netns.exec_prefix() if self.netns is not None else []
+      self._make_certs(a_host, b_host)
+      self.procs["prefill"] = self._spawn(
+          "prefill", launch_args.prefill_args(spec, a_host) + self._common_args("prefill"),
+          "a", prefix=prefix)
+      for region in self.decode_regions:
+        # Behind a relay the data plane binds another loopback address; the relay
+        # listens on the announced port at the host region A dials.
+        relayed = self.link_of(region) is not None and spec.transfer_plane == "tcp"
+        args = launch_args.decode_args(spec, self.local_host(region),
+                                       _DATA_PLANE_HOST if relayed else None)
+        for name in self.pd_names_of(region):
+          self.procs[name] = self._spawn(name, args + self._common_args("decode"), region)
+      wait_ready(list(self.procs.values()), spec.startup_timeout_s, on_tick)
       self.timings["regions_ready_s"] = time.monotonic() - t0
-      prefill_port = self.procs["prefill"].info["port"]
-      decode = self.procs["decode"].info
-      prefill_target = f"{a_host}:{prefill_port}"
-      # Region A's prefix-import port, where PD nodes ship cached prefixes (B->A).
-      prefix_target = f"{a_host}:{self.procs['prefill'].info['transfer_port']}"
-      transfer_target = f"127.0.0.1:{decode['transfer_port']}"
-      if spec.flaky_wan:
-        if self.netns is not None:
-          raise LaunchError("flaky_wan does not work with netem='netns'")
-        self.wan = FlakyLink(transfer_target).start()
-        transfer_target = self.wan.address
-      if spec.link is not None:
-        link = spec.link
-        if self.netns is not None:
-          link = dataclasses.replace(link, shape_bandwidth=False)
-        bw = link.bandwidth_bps if link.bandwidth_bps < float("inf") else 0
-        relay_args = ["-m", "paas_jax.netem", f"--bandwidth={bw}",
-                      f"--rtt_ms={link.rtt_s * 1e3}", f"--jitter_ms={link.jitter_s * 1e3}",
-                      f"--shape_bandwidth={link.shape_bandwidth}", f"--seed={link.seed}",
-                      f"--stats_file={self.relay_stats_file}",
-                      f"--route=transfer={b_host}:0->{transfer_target}@a_to_b",
-                      f"--route=control=127.0.0.1:0->{prefill_target}@b_to_a",
-                      f"--route=prefix=127.0.0.1:0->{prefix_target}@b_to_a"]
-        # Data planes of the PD nodes, over the same link, on the port they announce.
-        for i, name in enumerate(self.pd_names):
-          dp = self.procs[name].info.get("data_plane_port", 0)
-          if dp and spec.transfer_plane == "tcp":
-            relay_args.append(f"--route=dataplane{i}={b_host}:{dp}->{_DATA_PLANE_HOST}:{dp}"
-                              "@a_to_b")
-        # The other PD nodes' StateTransfer ports, over the same link (PrfaaS states).
-        for i, name in enumerate(self.pd_names[1:], 1):
-          relay_args.append(f"--route=transfer{i}={b_host}:0->127.0.0.1:"
-                            f"{self.procs[name].info['transfer_port']}@a_to_b")
-        if link.trace is not None:
-          trace = ",".join(f"{t}:{r}" for t, r in link.trace.points)
-          if link.trace.loop:
-            trace += f",period={link.trace.period}"
-          relay_args.append(f"--trace={trace}")
-        self.procs["relay"] = spawn("relay", relay_args, self.workdir)
-        wait_ready([self.procs["relay"]], 60, on_tick)
-        ports = self.procs["relay"].info["ports"]
-        transfer_target = f"{b_host}:{ports['transfer']}"
-        prefill_target = f"127.0.0.1:{ports['control']}"
-        prefix_target = f"127.0.0.1:{ports['prefix']}"
-      # PD node i: control, transfer as region A reaches it (WAN), transfer
-      # inside region B (PD-P -> PD-D, direct).
-      pd_info = [self.procs[n].info for n in self.pd_names]
-      pd_control = [f"127.0.0.1:{d['port']}" for d in pd_info]
-      pd_local = [f"127.0.0.1:{d['transfer_port']}" for d in pd_info]
-      pd_wan = [transfer_target] + (
-          [f"{b_host}:{self.procs['relay'].info['ports'][f'transfer{i}']}"
-           for i in range(1, len(pd_info))] if spec.link is not None else pd_local[1:])
-      broker_config = "" if spec.checkpoint else spec.config
-      broker_args = ["-m", "paas_jax.serving.broker", f"--config={broker_config}", "--port=0",
-                     f"--prefill={prefill_target}", f"--prefill_transfer={prefix_target}",
-                     f"--decode={','.join(pd_control)}",
-                     f"--decode_transfer={','.join(pd_wan)}",
-                     f"--decode_local_transfer={','.join(pd_local)}",
-                     f"--pd_prefill_nodes={spec.pd_prefill_nodes}",
-                     f"--rebalance_apply={spec.rebalance_apply}",
-                     f"--threshold={spec.threshold}", f"--log_level={spec.log_level}",
-                     f"--router={spec.router}", f"--n_slots={spec.n_slots}",
-                     f"--rebalance_every_s={spec.rebalance_every_s}",
-                     f"--link_bandwidth_bps={_link_bps(spec.link)}",
-                     *self._common_args("broker")]
-      if spec.checkpoint:  # its tokenizer, chat template, EOS ids and name
-        broker_args.append(f"--checkpoint={spec.checkpoint}")
-      if spec.served_model_name:
-        broker_args.append(f"--served_model_name={spec.served_model_name}")
-      self.procs["broker"] = spawn("broker", broker_args, self.workdir)
-      wait_ready([self.procs["broker"]], 120, on_tick)
-      self.broker_address = f"127.0.0.1:{self.procs['broker'].info['port']}"
+      for region in self.decode_regions:
+        self._start_front(region, on_tick)
       if spec.http:
         self._start_gateway(on_tick)
       self.timings["cluster_ready_s"] = time.monotonic() - t0
@@ -347,8 +214,63 @@ class LocalCluster:
       self.stop()
       raise
 
+  def _start_front(self, region: str, on_tick=None) -> None:
+    """A decode region's WAN relay (if its link is emulated) and broker."""
+    spec = self.spec
+    dial, local = self.region_hosts[region]
+    link = self.link_of(region)
+    pd_names = self.pd_names_of(region)
+    prefill = self.procs["prefill"].info
+    prefill_target = f"{self.a_host}:{prefill['port']}"
+    # Region A's prefix-import port, where PD nodes ship cached prefixes (->A).
+    prefix_target = f"{self.a_host}:{prefill['transfer_port']}"
+    transfer_target = f"{local}:{self.procs[pd_names[0]].info['transfer_port']}"
+    if spec.flaky_wan and region == "b":
+      if self.netns is not None:
+        raise LaunchError("flaky_wan does not work with netem='netns'")
+      self.wan = FlakyLink(transfer_target).start()
+      transfer_target = self.wan.address
+    pd_info = [self.procs[n].info for n in pd_names]
+    pd_local = [f"{local}:{d['transfer_port']}" for d in pd_info]
+    pd_wan = [transfer_target] + pd_local[1:]
+    if link is not None:
+      relay_link = (dataclasses.replace(link, shape_bandwidth=False)
+                    if self.netns is not None else link)
+      routes = [f"transfer={dial}:0->{transfer_target}@a_to_b",
+                f"control={local}:0->{prefill_target}@b_to_a",
+                f"prefix={local}:0->{prefix_target}@b_to_a"]
+      # Data planes of the PD nodes, over the same link, on the port they announce.
+      for i, d in enumerate(pd_info):
+        if d.get("data_plane_port") and spec.transfer_plane == "tcp":
+          dp = d["data_plane_port"]
+          routes.append(f"dataplane{i}={dial}:{dp}->{_DATA_PLANE_HOST}:{dp}@a_to_b")
+      # The other PD nodes' StateTransfer ports, over the same link (PrfaaS states).
+      routes += [f"transfer{i}={dial}:0->{pd_local[i]}@a_to_b" for i in range(1, len(pd_info))]
+      relay = self._name(region, "relay")
+      self.procs[relay] = self._spawn(
+          relay, launch_args.relay_args(relay_link, self.relay_stats_path(region), routes),
+          region)
+      wait_ready([self.procs[relay]], 60, on_tick)
+      ports = self.procs[relay].info["ports"]
+      pd_wan = [f"{dial}:{ports['transfer']}"] + [f"{dial}:{ports[f'transfer{i}']}"
+                                                  for i in range(1, len(pd_info))]
+      prefill_target = f"{local}:{ports['control']}"
+      prefix_target = f"{local}:{ports['prefix']}"
+    broker = self._name(region, "broker")
+    args = launch_args.broker_args(
+        spec, host=local, link=link, prefill_target=prefill_target,
+        prefix_target=prefix_target, pd_control=[f"{local}:{d['port']}" for d in pd_info],
+        pd_wan=pd_wan, pd_local=pd_local,
+        tenant=region.upper() if spec.decode_regions > 1 else "")
+    self.procs[broker] = self._spawn(broker, args + self._common_args("broker"), region)
+    wait_ready([self.procs[broker]], 120, on_tick)
+    self.broker_addresses[region] = f"{local}:{self.procs[broker].info['port']}"
+
   def stop(self) -> None:
-    for name in ("gateway", "broker", "relay", "prefill", *self.pd_names):
+    names = (["gateway"] + [self._name(r, "broker") for r in self.decode_regions]
+             + [self._name(r, "relay") for r in self.decode_regions] + ["prefill"]
+             + [n for r in self.decode_regions for n in self.pd_names_of(r)])
+    for name in names:
       proc = self.procs.get(name)
       if proc is not None:
         proc.stop()
@@ -361,18 +283,18 @@ class LocalCluster:
 
   def _start_gateway(self, on_tick=None) -> None:
     args = ["-m", "paas_jax.frontdoor", f"--broker={self.broker_address}",
-            f"--port={self.spec.http_port}",
+            f"--port={self.spec.http_port}", f"--host={self.b_local}",
             f"--log_level={self.spec.log_level}", *self._common_args("broker")]
     if self.certs is not None:
       args.append(f"--api_token_file={self.certs / 'client.token'}")
-    self.procs["gateway"] = spawn("gateway", args, self.workdir)
+    self.procs["gateway"] = self._spawn("gateway", args, "b")
     wait_ready([self.procs["gateway"]], 120, on_tick)
 
   @property
   def http_url(self) -> str:
     """Base URL of the OpenAI API (``.../v1``), with ``spec.http``."""
     scheme = "https" if self.certs is not None else "http"
-    return f"{scheme}://127.0.0.1:{self.procs['gateway'].info['port']}/v1"
+    return f"{scheme}://{self.b_local}:{self.procs['gateway'].info['port']}/v1"
 
   # -- security and faults ------------------------------------------------------------
 
@@ -380,7 +302,8 @@ class LocalCluster:
     if not self.spec.tls:
       return
     self.certs = self.workdir / "certs"
-    hosts = tuple(dict.fromkeys(ca_lib.DEFAULT_HOSTS + (a_host, b_host)))
+    hosts = tuple(dict.fromkeys(ca_lib.DEFAULT_HOSTS + (a_host, b_host) + tuple(
+        h for pair in self.region_hosts.values() for h in pair)))
     ca_lib.make_certs(self.certs, ("broker", "prefill", "decode", "client"), hosts=hosts,
                       reuse_ca=False)
     (self.certs / "api_tokens.txt").unlink(missing_ok=True)
@@ -423,8 +346,7 @@ class LocalCluster:
     """A gRPC channel to process ``name``'s control port, authenticated as
     ``as_role`` (mutual TLS with that role's certificate; plaintext without tls)."""
     info = self.procs[name].info
-    host = self.netns.a_ip if (name == "prefill" and self.netns is not None) else "127.0.0.1"
-    target = f"{host}:{info['port']}"
+    target = f"{self.host_of(name)}:{info['port']}"
     creds = self.tls_config(as_role).client() if self.certs is not None else None
     if creds is None:
       return grpc.insecure_channel(target)
@@ -448,7 +370,7 @@ class LocalCluster:
     args = [f"{a.split('=', 1)[0]}={pinned[a.split('=', 1)[0]]}"
             if a.split("=", 1)[0] in pinned and pinned[a.split("=", 1)[0]] is not None else a
             for a in args] + list(extra_args)
-    proc = spawn(name, args, self.workdir, prefix=old.prefix)
+    proc = self._spawn(name, args, self.region_of(name), prefix=old.prefix)
     self.procs[name] = proc
     wait_ready([proc], timeout_s or self.spec.startup_timeout_s)
     return proc
@@ -464,19 +386,66 @@ class LocalCluster:
   # -- observation ----------------------------------------------------------------
 
   @property
+  def decode_regions(self) -> list[str]:
+    """The decode regions' letters: "b", then "c", ... (``spec.decode_regions``)."""
+    return [chr(ord("b") + i) for i in range(max(self.spec.decode_regions, 1))]
+
+  def link_of(self, region: str) -> LinkSpec | None:
+    """Region ``region``'s emulated link to region A (``spec.region_links``)."""
+    i = ord(region) - ord("b")
+    links = self.spec.region_links
+    return links[i] if i < len(links) else self.spec.link
+
+  @staticmethod
+  def _name(region: str, base: str) -> str:
+    return base if region == "b" else f"{region}.{base}"
+
+  @staticmethod
+  def region_of(name: str) -> str:
+    if name == "prefill":
+      return "a"
+    return name.split(".", 1)[0] if "." in name else "b"
+
+  def pd_names_of(self, region: str) -> list[str]:
+    return [self._name(region, n) for n in
+            ["decode"] + [f"decode{i}" for i in range(1, max(self.spec.pd_nodes, 1))]]
+
+  @property
   def pd_names(self) -> list[str]:
-    """The PD nodes' process names: "decode" (the first, as before), "decode1", ..."""
-    return ["decode"] + [f"decode{i}" for i in range(1, max(self.spec.pd_nodes, 1))]
+    """Region B's PD nodes: "decode" (the first, as before), "decode1", ..."""
+    return self.pd_names_of("b")
+
+  def local_host(self, region: str) -> str:
+    return self.region_hosts.get(region, ("127.0.0.1", "127.0.0.1"))[1]
+
+  @property
+  def b_local(self) -> str:
+    """Where region B's processes bind and are reached."""
+    return self.local_host("b")
+
+  @property
+  def broker_address(self) -> str:
+    """Region B's broker."""
+    return self.broker_addresses.get("b", "")
+
+  def host_of(self, name: str) -> str:
+    """The address process ``name`` serves its control port on."""
+    region = self.region_of(name)
+    return self.a_host if region == "a" else self.local_host(region)
 
   def pd_address(self, name: str) -> str:
-    return f"127.0.0.1:{self.procs[name].info['port']}"
+    return f"{self.host_of(name)}:{self.procs[name].info['port']}"
 
   @property
   def decode_address(self) -> str:
-    return f"127.0.0.1:{self.procs['decode'].info['port']}"
+    return self.pd_address("decode")
 
-  def relay_stats(self) -> dict | None:
+  def relay_stats_path(self, region: str = "b") -> pathlib.Path:
+    return (self.relay_stats_file if region == "b"
+            else self.workdir / f"relay_stats.{region}.json")
+
+  def relay_stats(self, region: str = "b") -> dict | None:
     try:
-      return json.loads(self.relay_stats_file.read_text())
+      return json.loads(self.relay_stats_path(region).read_text())
     except (OSError, ValueError):
       return None

@@ -2,21 +2,26 @@
 
 ``LiveClusterState`` keeps, without ever blocking a request:
 
-* **queue depths** from the servers' ``GetStats`` (prefill ``queue``, decode
-  ``pdp_queue``), polled by a background thread every ``poll_s`` (200 ms) with a
-  deadline per call; a server that does not answer keeps its last value and is
-  counted in ``poll_errors``;
+* **queue depths** from the servers' typed ``GetLoad`` reports
+  (``LoadReport.prefill_queue_depth``: region A's prefill queue, the PD nodes'
+  PD-P queue; ``control_plane``), polled by a background thread every
+  ``poll_s`` (200 ms) with a deadline per call; a server that does not answer
+  keeps its last value and is counted in ``poll_errors``, and a malformed
+  report (``control_plane.check_load_report``) is refused the same way and
+  counted in ``refused_reports``. Each accepted report also goes to
+  ``on_load_report`` (the broker's ``NodePool``);
 * **link utilization** over the trailing ``window_s``, measured: the rate of
-  the prefill servers' ``link_bytes_sent_total`` counters (bytes their
+  the prefill servers' ``LinkLoad.bytes_sent_total`` counters (bytes their
   senders have put on the link, states and prefix exports, counted as gRPC
   takes each chunk; ``paas_jax.transport.LinkCounters``) between successive
-  polls. Fallback, when a prefill server answers without link gauges (an
-  older server) or fewer than two polls exist: the broker's own record of
-  recent transfers (``TransferDone``: bytes on the link, Begin to Commit
-  time), each transfer's bytes spread evenly over its duration;
-* **link backlog**: the prefill servers' ``link_bytes_pending`` (bytes encoded
-  or queued for the link and not yet sent, of transfers in flight) from the
-  latest poll, plus an estimate only for what the servers do not report yet:
+  polls. Fallback, when a prefill server reports no ``link`` or fewer than
+  two polls exist: the broker's own record of recent transfers
+  (``TransferDone``: bytes on the link, Begin to Commit time), each
+  transfer's bytes spread evenly over its duration;
+* **link backlog**: the prefill servers' ``LinkLoad.bytes_pending`` (bytes
+  encoded or queued for the link and not yet sent, of transfers in flight)
+  from the latest poll, plus an estimate only for what the servers do not
+  report yet:
   a transfer the broker started that no server has listed (waiting for its
   prefill batch, or on an older server) counts ``c + k*l`` bytes (fitted on
   past transfers' prompt length and bytes); one listed but not fully encoded
@@ -31,15 +36,13 @@ same way but kept apart as ingress (``snapshot``: ``ingress_*``), as the
 simulator keeps its ``pd->prfaas`` pipe apart from the router's link.
 
 ``view()`` returns the latest snapshot as a ``ClusterView``; ``probe_prefix``
-asks both regions for the cached prefix of a prompt in parallel with a short
-deadline (0 on timeout). It sends the chained hashes of the prompt's blocks
-(``StatsRequest.prefix_probe_hashes``, 16 bytes per block) to a server whose
-block size and config fingerprint the polls have learned (gauge
-``prefix_block``, JSON ``fingerprint``; only from a server whose gauge
-``prefix_probe_hashes`` is 1, i.e. that takes them), computed once per
-distinct pair with the cache's own ``block_hashes``; the ids
-(``prefix_probe_ids``) only to a server not learned yet; nothing to a server
-without a prefix cache.
+asks both regions for the cached prefix of a prompt (``ProbePrefix``) in
+parallel with a short deadline (0 on timeout or error). It sends the chained
+hashes of the prompt's blocks (``PrefixProbeRequest.block_hashes``, 16 bytes
+per block) to a server whose block size and config fingerprint the polls have
+learned (``LoadReport.prefix_cache``), computed once per distinct pair with
+the cache's own ``block_hashes``; the ids (``prompt_ids``) only to a server
+not learned yet; nothing to a server without a prefix cache.
 
 The long timescale: every ``rebalance_every_s`` the state fits prefill
 profiles to the broker's measured requests and runs a ``Rebalancer`` step
@@ -54,7 +57,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -65,6 +67,7 @@ import numpy as np
 
 from paas_jax.proto import serving_pb2
 from paas_jax.scheduling import ClusterView
+from paas_jax.serving import control_plane
 
 log = logging.getLogger("paas_jax.serving.live_view")
 
@@ -78,11 +81,11 @@ class _Transfer:
 
 @dataclasses.dataclass(frozen=True)
 class LinkReport:
-  """One server's link gauges from one poll (``paas_jax.transport.LinkCounters``).
+  """One server's ``LinkLoad`` from one poll (``paas_jax.transport.LinkCounters``).
 
   t: poll time (the state's clock, s); pending, sent_total: bytes;
-  transfers: the JSON ``link.transfers`` rows by transfer id (``pending``,
-  ``sent``: bytes; ``encoded``: every layer encoded).
+  transfers: the in-flight transfers by transfer id (``pending``, ``sent``:
+  bytes; ``encoded``: every layer encoded).
   """
 
   t: float
@@ -117,7 +120,10 @@ class LiveClusterState:
     self.prfaas_queue = [0] * len(self.prefill_stubs)
     self.pdp_queue = [0] * len(self.decode_stubs)
     self.poll_errors = 0
+    self.refused_reports = 0  # malformed LoadReports (check_load_report)
     self.polls = 0
+    # (kind "prefill"|"decode", index, LoadReport) for each accepted report.
+    self.on_load_report: Callable[[str, int, serving_pb2.LoadReport], None] | None = None
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._periodic: list[tuple[float, Callable[[], None], list]] = []
@@ -136,7 +142,7 @@ class LiveClusterState:
     # server's prefix cache, _NO_CACHE, or absent (not learned: probe by ids).
     self._probe_info: dict[tuple[str, int], tuple[int, str]] = {}
     self.probe_requests = 0  # probe RPCs sent
-    self.probe_request_bytes = 0  # their serialized StatsRequest bytes
+    self.probe_request_bytes = 0  # their serialized PrefixProbeRequest bytes
     # () -> (PD-P, PD-D) instances serving now (the broker's PD roles); None:
     # every PD node counts as PD-P (one colocated node).
     self.instance_counts: Callable[[], tuple[int, int]] | None = None
@@ -170,12 +176,12 @@ class LiveClusterState:
             log.exception("periodic task failed")
 
   def poll_once(self) -> None:
-    """One round of GetStats to every server, in parallel, each with a deadline."""
-    calls = [("prefill", i, s.GetStats.future(serving_pb2.StatsRequest(),
-                                              timeout=self.rpc_deadline_s))
+    """One round of GetLoad to every server, in parallel, each with a deadline."""
+    calls = [("prefill", i, s.GetLoad.future(serving_pb2.LoadRequest(),
+                                             timeout=self.rpc_deadline_s))
              for i, s in enumerate(self.prefill_stubs)]
-    calls += [("decode", i, s.GetStats.future(serving_pb2.StatsRequest(),
-                                              timeout=self.rpc_deadline_s))
+    calls += [("decode", i, s.GetLoad.future(serving_pb2.LoadRequest(),
+                                             timeout=self.rpc_deadline_s))
               for i, s in enumerate(self.decode_stubs)]
     for kind, i, fut in calls:
       try:
@@ -183,59 +189,56 @@ class LiveClusterState:
       except grpc.RpcError:
         self.poll_errors += 1
         continue
-      self.ingest(kind, i, response)
+      if self.ingest(kind, i, response) and self.on_load_report is not None:
+        self.on_load_report(kind, i, response)
     self.polls += 1
 
-  def ingest(self, kind: str, i: int, response, now: float | None = None) -> None:
-    """Takes one server's ``StatsResponse`` (``kind`` "prefill" or "decode",
-    index ``i``, polled at ``now``): queue depth, link gauges, prefix-cache
-    block and fingerprint. Pure state update (tests feed it directly)."""
+  def ingest(self, kind: str, i: int, report: serving_pb2.LoadReport,
+             now: float | None = None) -> bool:
+    """Takes one server's ``LoadReport`` (``kind`` "prefill" or "decode", index
+    ``i``, polled at ``now``): queue depth, link, prefix-cache block and
+    fingerprint. Returns False (and keeps the server's last values) for a
+    report ``control_plane.check_load_report`` refuses. Pure state update
+    (tests feed it directly)."""
     now = self.clock() if now is None else now
-    g = response.gauges
     try:
-      info = json.loads(response.json) if response.json else {}
-    except ValueError:
-      info = {}
-    if not isinstance(info, dict):
-      info = {}
-    side = "prfaas" if kind == "prefill" else "pdp"
-    if "prefix_cache_enabled" in g:
-      block, fp = int(g.get("prefix_block", 0)), info.get("fingerprint")
-      if g["prefix_cache_enabled"] <= 0:
-        self._probe_info[(side, i)] = _NO_CACHE
-      elif (block > 0 and isinstance(fp, str) and fp
-            and g.get("prefix_probe_hashes", 0.0) > 0):
-        # Only a server that says it takes hashed probes gets them: an older
-        # one would ignore the unknown fields and answer 0.
-        self._probe_info[(side, i)] = (block, fp)
-      else:
-        self._probe_info.pop((side, i), None)
-    report = None
-    if "link_bytes_sent_total" in g:
-      rows = (info.get("link") or {}).get("transfers") or {}
-      report = LinkReport(now, float(g.get("link_bytes_pending", 0.0)),
-                          float(g["link_bytes_sent_total"]),
-                          {str(k): v for k, v in rows.items() if isinstance(v, dict)},
-                          float(g.get("link_tcp_retransmits_total", 0.0)))
-    if kind == "prefill":
-      self.prfaas_queue[i] = int(g.get("queue", 0))
+      control_plane.check_load_report(report, kind)
+    except control_plane.InvalidLoadReport as e:
       with self._lock:
-        self._egress[i], self._legacy[i] = report, report is None
+        self.refused_reports += 1
+      log.warning("refused the load report of %s server %d: %s", kind, i, e)
+      return False
+    side = "prfaas" if kind == "prefill" else "pdp"
+    cache = report.prefix_cache
+    self._probe_info[(side, i)] = ((cache.block_tokens, cache.config_fingerprint)
+                                   if cache.enabled else _NO_CACHE)
+    link = None
+    if report.HasField("link"):
+      rows = {t.transfer_id: {"pending": t.pending_bytes, "sent": t.sent_bytes,
+                              "encoded": t.encoded} for t in report.link.transfers}
+      link = LinkReport(now, float(report.link.bytes_pending),
+                        float(report.link.bytes_sent_total), rows,
+                        float(report.link.tcp_retransmits_total))
+    if kind == "prefill":
+      self.prfaas_queue[i] = int(report.prefill_queue_depth)
+      with self._lock:
+        self._egress[i], self._legacy[i] = link, link is None
         series = self._sent_series[i]
-        if report is None:
+        if link is None:
           series.clear()
-          return
-        if series and report.sent_total < series[-1][1]:
+          return True
+        if series and link.sent_total < series[-1][1]:
           series.clear()  # the server restarted: its counter began again
-        series.append((now, report.sent_total))
+        series.append((now, link.sent_total))
         # Keep one sample at or before the window's start (the rate's base).
         while len(series) > 2 and series[1][0] <= now - self.window_s:
           series.popleft()
-        self._seen.update(t for t in report.transfers if t in self._inflight)
+        self._seen.update(t for t in link.transfers if t in self._inflight)
     else:
-      self.pdp_queue[i] = int(g.get("pdp_queue", 0))
+      self.pdp_queue[i] = int(report.prefill_queue_depth)
       with self._lock:
-        self._ingress[i] = report
+        self._ingress[i] = link
+    return True
 
   # -- link accounting ---------------------------------------------------------------
 
@@ -283,8 +286,8 @@ class LiveClusterState:
 
   def measured_link_rate(self) -> float | None:
     """Bytes/s the prefill servers put on the link over the trailing window,
-    from successive polls of ``link_bytes_sent_total``; None when it cannot be
-    measured (a server without link gauges, or no server polled twice yet).
+    from successive polls of ``LinkLoad.bytes_sent_total``; None when it cannot
+    be measured (a server reporting no link, or no server polled twice yet).
 
     Per server: the counter's increase from the window's start (interpolated
     between the polls around it) to its latest poll, over that span. A server
@@ -336,7 +339,7 @@ class LiveClusterState:
 
   def backlog_bytes(self) -> float:
     """Bytes waiting for the link (see the module docstring): the servers'
-    measured ``link_bytes_pending`` plus estimates for what they do not list yet."""
+    measured ``LinkLoad.bytes_pending`` plus estimates for what they do not list yet."""
     with self._lock:
       inflight = dict(self._inflight)
       reports = [r for r in self._egress if r is not None]
@@ -382,7 +385,7 @@ class LiveClusterState:
     return int(self.instance_counts()[0])
 
   def probe_requests_for(self, prompt: Sequence[int]) -> list[tuple[str, int, object]]:
-    """The probe of each server, as (side, index, StatsRequest): hashes of the
+    """The probe of each server, as (side, index, PrefixProbeRequest): hashes of the
     blocks of prompt[:len-1] for a server whose block and fingerprint are
     known (one hash computation per distinct pair), the ids otherwise; a
     server without a prefix cache, or a prompt without one complete block
@@ -398,13 +401,12 @@ class LiveClusterState:
           continue
         if info is None:
           if ids_req is None:
-            ids_req = serving_pb2.StatsRequest(prefix_probe_ids=list(prompt))
+            ids_req = control_plane.probe_request(prompt)
           out.append((side, i, ids_req))
           continue
         if info not in by_info:
           hashes = block_hashes(probe_tokens(prompt), info[0], info[1])
-          by_info[info] = (serving_pb2.StatsRequest(prefix_probe_hashes=hashes,
-                                                    prefix_probe_block=info[0])
+          by_info[info] = (control_plane.probe_request(hashes=hashes, block_tokens=info[0])
                            if hashes else None)
         if by_info[info] is not None:
           out.append((side, i, by_info[info]))
@@ -412,13 +414,14 @@ class LiveClusterState:
 
   def probe_prefix(self, prompt: Sequence[int]) -> tuple[int, int]:
     """(l_pd_cached, l_prfaas_cached): the longest cached prefix in each region
-    (max over its servers); a server that does not answer in time counts as 0.
-    A FAILED_PRECONDITION answer to hashes (the server's block size changed)
-    forgets what was learned of it: it gets ids until the next poll."""
+    (max over its servers); a server that does not answer in time, or answers
+    with an error, counts as 0. A FAILED_PRECONDITION answer to hashes (the
+    server's block size changed, or its cache is gone) forgets what was learned
+    of it: it gets ids until the next poll."""
     stubs = {"pdp": self.decode_stubs, "prfaas": self.prefill_stubs}
     futs = []
     for side, i, req in self.probe_requests_for(prompt):
-      futs.append((side, i, req, stubs[side][i].GetStats.future(
+      futs.append((side, i, req, stubs[side][i].ProbePrefix.future(
           req, timeout=self.probe_deadline_s)))
       with self._lock:
         self.probe_requests += 1
@@ -426,10 +429,10 @@ class LiveClusterState:
     best = {"pdp": 0, "prfaas": 0}
     for side, i, req, fut in futs:
       try:
-        v = int(fut.result().gauges.get("prefix_cached_tokens", 0))
+        v = max(int(fut.result().cached_tokens), 0)
       except grpc.RpcError as e:
         code = e.code() if callable(getattr(e, "code", None)) else None
-        if req.prefix_probe_block and code == grpc.StatusCode.FAILED_PRECONDITION:
+        if req.block_tokens and code == grpc.StatusCode.FAILED_PRECONDITION:
           self._probe_info.pop((side, i), None)
         continue
       best[side] = max(best[side], v)
@@ -448,6 +451,7 @@ class LiveClusterState:
             "link_backlog_bytes": v.link_backlog_bytes,
             "prfaas_queue_depth": v.prfaas_queue_depth, "pdp_queue_depth": v.pdp_queue_depth,
             "polls": self.polls, "poll_errors": self.poll_errors,
+            "refused_reports": self.refused_reports,
             "link_measured": self.measured_link_rate() is not None,
             "link_tcp_retransmits": self.link_retransmits(),
             "ingress_bytes": self.ingress_bytes,

@@ -11,7 +11,13 @@ The broker asks the pool, never the nodes' bookkeeping directly:
   picking until a probe succeeds again;
 * roles: ``set_roles`` moves PD nodes between PD-P / PD-D / both; a moving
   node drains first (the pure rules live in ``pd_roles``), and ``release``
-  completes the moves whose old-role work has drained.
+  completes the moves whose old-role work has drained;
+* reported load: ``observe_load`` keeps each node's latest typed ``GetLoad``
+  report (``NodeLoad``: queue, decode slots; the live view's polls feed it),
+  shown next to the broker's own in-flight count in ``roles_info`` /
+  ``reported_load``. Picking still counts only the broker's in-flight work
+  (what it routed and has not seen finish), so routes do not depend on poll
+  timing.
 
 Thread-safe: one lock guards load and roles.
 """
@@ -61,6 +67,31 @@ class NodeKind(enum.StrEnum):
   PDP = "pdp"          # a PD node prefilling for another PD node (PD-P)
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeLoad:
+  """A node's latest ``LoadReport`` (``control_plane``), as the pool keeps it.
+
+  prefill_queue: prompts waiting for a prefill batch (a PD node: its PD-P
+  queue); decode_slots_busy / decode_slots_total / decode_waiting: a PD node's
+  decode pool (0 on a prefill server); at: ``time.monotonic()`` of the report.
+  """
+
+  prefill_queue: int
+  prefill_queue_limit: int
+  decode_slots_total: int
+  decode_slots_busy: int
+  decode_waiting: int
+  at: float
+
+  @classmethod
+  def from_report(cls, report, at: float) -> "NodeLoad":
+    return cls(prefill_queue=report.prefill_queue_depth,
+               prefill_queue_limit=report.prefill_queue_limit,
+               decode_slots_total=report.decode_slots_total,
+               decode_slots_busy=report.decode_slots_busy,
+               decode_waiting=report.decode_waiting, at=at)
+
+
 class NodePool:
   """Prefill servers and PD nodes; see the module docstring.
 
@@ -101,6 +132,8 @@ class NodePool:
                                 channels=dict(zip(addresses, self._channels)))
     self._lock = threading.Lock()
     self._load = collections.Counter()  # (NodeKind, index) -> in-flight work
+    # (NodeKind.PREFILL | NodeKind.DECODE, index) -> latest NodeLoad (observe_load).
+    self._reported: dict[tuple[NodeKind, int], NodeLoad] = {}
     self._rr = itertools.count()
 
   def start(self) -> None:
@@ -265,15 +298,37 @@ class NodePool:
       return {i: self._load[(NodeKind.DECODE, i)] + self._load[(NodeKind.PDP, i)]
               for i in range(len(self.decode_targets))}
 
+  def observe_load(self, server: str, index: int, report) -> None:
+    """Keeps a node's latest ``LoadReport`` (``server``: "prefill" for a PrfaaS
+    server, "decode" for a PD node); the caller checked it
+    (``control_plane.check_load_report``)."""
+    kind = NodeKind.PREFILL if server == "prefill" else NodeKind.DECODE
+    with self._lock:
+      self._reported[(kind, index)] = NodeLoad.from_report(report, time.monotonic())
+
+  def reported_load(self, kind: NodeKind, index: int) -> NodeLoad | None:
+    """The node's latest reported load (PREFILL or DECODE; PDP reads its PD
+    node's), None before its first report."""
+    kind = NodeKind.PREFILL if NodeKind(kind) == NodeKind.PREFILL else NodeKind.DECODE
+    with self._lock:
+      return self._reported.get((kind, index))
+
   def roles_info(self) -> list[dict]:
     with self._lock:
       nodes = list(self._roles)
       load = dict(self._load)
+      reported = {i: self._reported.get((NodeKind.DECODE, i))
+                  for i in range(len(self.decode_targets))}
     return [{"node": t.control, "index": i, "role": n.role, "target": n.final,
              "draining": n.draining, "serving": sorted(n.serving),
              "inflight_decode": load.get((NodeKind.DECODE, i), 0),
              "inflight_prefill": load.get((NodeKind.PDP, i), 0),
-             "healthy": self.health.is_healthy(t.control)}
+             "healthy": self.health.is_healthy(t.control),
+             **({"reported": {"pdp_queue": r.prefill_queue,
+                              "decode_slots_busy": r.decode_slots_busy,
+                              "decode_slots_total": r.decode_slots_total,
+                              "decode_waiting": r.decode_waiting}}
+                if (r := reported[i]) is not None else {})}
             for i, (t, n) in enumerate(zip(self.decode_targets, nodes))]
 
   def instance_counts(self) -> tuple[int, int]:

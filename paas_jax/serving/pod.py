@@ -98,6 +98,8 @@ def kv_client():
   """The region's coordination key-value store (deadline-bounded gets and
   barriers), or None outside ``jax.distributed``. JAX exposes it only through
   this private module."""
+  # Deferred: a private JAX module (it may move between JAX versions); only a pod
+  # process with jax.distributed initialised gets here.
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
   return distributed.global_state.client
 
@@ -230,6 +232,20 @@ def _sharded_step(graphdef, params, tokens, state, out_shardings):
   return token, jax.lax.with_sharding_constraint(state, out_shardings.tree)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+def _sharded_prefill_logits(graphdef, params, tokens, state, n_valid, out_shardings, whole):
+  logits, state = nnx.merge(graphdef, params).prefill(tokens, state, n_valid)
+  last = logits[jnp.arange(logits.shape[0]), n_valid - 1].astype(jnp.float32)
+  return (jax.lax.with_sharding_constraint(last, whole),
+          jax.lax.with_sharding_constraint(state, out_shardings.tree))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _sharded_probe_logits(graphdef, params, tokens, state, capacity, whole):
+  logits, _ = nnx.merge(graphdef, params).step(tokens, state.grow(capacity))
+  return jax.lax.with_sharding_constraint(logits.astype(jnp.float32), whole)
+
+
 def _host_scalar(x: jax.Array) -> np.ndarray:
   return np.asarray(x.addressable_data(0))
 
@@ -257,6 +273,48 @@ def region_prefill(model: Model, mesh: Mesh, prompt: Sequence[int], capacity: in
        replicated(mesh, np.array([seq], np.int32)), _StaticShardings(shardings)),
       barrier, "prefill")
   return int(_host_scalar(token)[0]), state
+
+
+def region_prefill_logits(model: Model, mesh: Mesh, prompt: Sequence[int],
+                          barrier=_no_barrier) -> tuple[np.ndarray, DecodeState]:
+  """``region_prefill`` that returns the last prompt position's logits instead of
+  a greedy token (the caller samples: the serving path's sampling and logprobs).
+
+  The state's capacity is the padded prompt's (``round_up(prefill_bucket(n))``),
+  so a pod compiles one prefill program per bucket, not one per 64 tokens of
+  prompt; the codec sends only the first ``n`` positions anyway.
+
+  Returns:
+    (logits f32 [vocab], identical on every process; the batch-1 ``DecodeState``
+    sharded by ``state_shardings``).
+  """
+  config = model.config
+  prompt = np.asarray(prompt, np.int32)
+  seq = len(prompt)
+  capacity = round_up(prefill_bucket(seq))
+  shardings = state_shardings(config, mesh, 1, capacity)
+  tokens = np.zeros((1, prefill_bucket(seq)), np.int32)
+  tokens[0, :seq] = prompt
+  state = jax.jit(lambda: init_state(config, 1, capacity), out_shardings=shardings)()
+  logits, state = _synchronized_call(
+      _sharded_prefill_logits, (0, 5, 6),
+      (model.graphdef, model.params, replicated(mesh, tokens), state,
+       replicated(mesh, np.array([seq], np.int32)), _StaticShardings(shardings),
+       NamedSharding(mesh, PartitionSpec())),
+      barrier, "prefill_logits")
+  return np.asarray(logits.addressable_data(0))[0], state
+
+
+def region_probe_logits(model: Model, mesh: Mesh, state: DecodeState, token: int,
+                        capacity: int, barrier=_no_barrier) -> np.ndarray:
+  """Logits f32 [vocab] of one decode step of the sharded batch-1 ``state`` fed
+  ``token``, the state grown to ``capacity`` first (``logit_probe.probe_logits``
+  on a region; every process calls it; ``state`` is not modified)."""
+  logits = _synchronized_call(
+      _sharded_probe_logits, (0, 4, 5),
+      (model.graphdef, model.params, replicated(mesh, np.array([token], np.int32)), state,
+       int(capacity), NamedSharding(mesh, PartitionSpec())), barrier, "probe")
+  return np.asarray(logits.addressable_data(0))[0]
 
 
 def region_step(model: Model, mesh: Mesh, state: DecodeState, token: int,

@@ -211,6 +211,92 @@ def _envelope_of(rs: ReceivedState) -> Envelope:
     store.close()
 
 
+def parse_transfer_id(tid: str) -> tuple[str, int, int]:
+  """``pod:<request>:<source>-><target>`` -> (request, source, target).
+
+  Raises:
+    ShardPlanError: not a pod transfer id.
+  """
+  body, _, dst = tid.rpartition("->")
+  head, _, src = body.rpartition(":")
+  if not tid.startswith("pod:") or not head.startswith("pod:") or not src.isdigit() \
+      or not dst.isdigit():
+    raise ShardPlanError(f"not a pod transfer id: {tid!r}")
+  return head[len("pod:"):], int(src), int(dst)
+
+
+def is_pod_transfer(tid: str) -> bool:
+  return tid.startswith("pod:")
+
+
+class PodParts:
+  """The transfers of one request that one slice process has received so far
+  (one per pod process; ``complete`` once every pod process's arrived)."""
+
+  def __init__(self, request_id: str, target: int):
+    self.request_id = request_id
+    self.target = target
+    self.store = MemoryStore()
+    self.received: dict[str, Any] = {}
+    self.sources: dict[int, Envelope] = {}
+    self.wire = 0
+    self.updated = time.monotonic()
+
+  @property
+  def expected(self) -> int | None:
+    return next(iter(self.sources.values())).source_processes if self.sources else None
+
+  @property
+  def complete(self) -> bool:
+    return self.expected is not None and len(self.sources) >= self.expected
+
+  def missing(self) -> list[int]:
+    return sorted(set(range(self.expected or 1)) - set(self.sources))
+
+  def add(self, rs: ReceivedState) -> None:
+    """Takes one verified transfer's objects (and releases ``rs``).
+
+    Raises:
+      ShardPlanError: a transfer of another request or target, or a duplicate.
+    """
+    try:
+      tid = rs.info.transfer_id
+      request, src, dst = parse_transfer_id(tid)
+      if request != self.request_id or dst != self.target:
+        raise ShardPlanError(f"slice process {self.target} got transfer {tid!r}, expected "
+                             f"{transfer_id(self.request_id, '<source>', self.target)!r}")
+      if src in self.sources:
+        raise ShardPlanError(f"two transfers from pod process {src} for {request}")
+      envelope = _envelope_of(rs)
+      self.sources[src] = envelope
+      self.wire += rs.timeline.bytes_received
+      blobs = {}
+      for group in rs.manifest.groups:
+        for array, chunk in group.chunks():
+          if array.name == ENVELOPE:
+            continue
+          self.received[chunk.key] = chunk
+          blobs[chunk.key] = rs.store.get(chunk.key)
+      self.store.put_many(blobs)
+      self.updated = time.monotonic()
+    finally:
+      rs.release()
+
+  def collected(self) -> Collected:
+    """The parts as one ``Collected`` (the store moves into it).
+
+    Raises:
+      ShardPlanError: the pod processes sent different envelopes.
+    """
+    first = next(iter(self.sources.values()))
+    if any(e != first for e in self.sources.values()):
+      raise ShardPlanError(f"pod processes sent different envelopes for {self.request_id}")
+    return Collected(first, self.store, self.received, self.wire)
+
+  def close(self) -> None:
+    self.store.close()
+
+
 def collect(receiver: StateReceiver, request_id: str, target: int, timeout_s: float
             ) -> Collected:
   """Waits (at most ``timeout_s``) for one transfer of ``request_id`` from each
@@ -221,45 +307,17 @@ def collect(receiver: StateReceiver, request_id: str, target: int, timeout_s: fl
     ShardPlanError: a transfer of another request, or a duplicate.
   """
   deadline = time.monotonic() + timeout_s
-  store = MemoryStore()
-  received: dict[str, Any] = {}
-  sources: dict[int, Envelope] = {}
-  expected, wire = None, 0
-  while expected is None or len(sources) < expected:
+  parts = PodParts(request_id, target)
+  while not parts.complete:
     left = deadline - time.monotonic()
     try:
       rs = receiver.ready.get(timeout=max(0.0, left))
     except queue.Empty:
       raise TimeoutError(f"slice process {target}: transfers of request {request_id} from "
-                         f"pod processes {sorted(set(range(expected or 1)) - set(sources))} "
-                         f"did not arrive within {timeout_s:.0f}s") from None
-    try:
-      tid = rs.info.transfer_id
-      prefix = f"pod:{request_id}:"
-      src, _, dst = tid[len(prefix):].partition("->")
-      if not tid.startswith(prefix) or int(dst) != target:
-        raise ShardPlanError(f"slice process {target} got transfer {tid!r}, expected "
-                             f"{transfer_id(request_id, '<source>', target)!r}")
-      if int(src) in sources:
-        raise ShardPlanError(f"two transfers from pod process {src} for {request_id}")
-      envelope = _envelope_of(rs)
-      sources[int(src)] = envelope
-      expected = envelope.source_processes
-      wire += rs.timeline.bytes_received
-      blobs = {}
-      for group in rs.manifest.groups:
-        for array, chunk in group.chunks():
-          if array.name == ENVELOPE:
-            continue
-          received[chunk.key] = chunk
-          blobs[chunk.key] = rs.store.get(chunk.key)
-      store.put_many(blobs)
-    finally:
-      rs.release()
-  first = next(iter(sources.values()))
-  if any(e != first for e in sources.values()):
-    raise ShardPlanError(f"pod processes sent different envelopes for {request_id}")
-  return Collected(first, store, received, wire)
+                         f"pod processes {parts.missing()} did not arrive within "
+                         f"{timeout_s:.0f}s") from None
+    parts.add(rs)
+  return parts.collected()
 
 
 def verify_collected(collected: Collected, target: int, placement: StatePlacement

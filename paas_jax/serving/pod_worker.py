@@ -12,6 +12,11 @@ config (``ModelConfig.to_dict``) and seed, and:
   decode: ``address`` to serve StateTransfer on, ``request_id``,
     ``max_new_tokens``.
 The report (JSON) is what the process did: tokens, bytes per peer, timings.
+A prefill spec may carry ``fault`` = {"process": p, "at": "prefill"|"transfer"}:
+pod process p exits with ``FAULT_EXIT`` in the middle of the prefill (before
+its part of the pod program; the others wait in a collective) or of the
+transfer (after the manifests are merged, before it sends its shards; the
+others send theirs) -- a machine of the pod lost mid-request (tests, demo).
 
 The argument parsing lives in ``main`` (no module-level flags), so tests may
 import ``run_prefill`` / ``run_slice``.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -35,8 +41,19 @@ from paas_jax.models.api import Model
 from paas_jax.models.config import ModelConfig
 from paas_jax.serving import pod, pod_transfer
 from paas_jax.state import abstract_state, round_up
-from paas_jax.transport.receiver import ReceiverOptions, StateReceiver, serve_receiver
+from paas_jax.transport.receiver import ReceiverOptions, StateReceiver
+from paas_jax.transport.receiver_server import serve_receiver
 from paas_jax.transport.sender import SenderOptions
+
+
+FAULT_EXIT = 75  # the exit status of a pod process that a fault plan killed
+
+
+def _fault_point(spec: dict, process_id: int, at: str) -> None:
+  fault = spec.get("fault") or {}
+  if fault.get("process") == process_id and fault.get("at") == at:
+    sys.stdout.flush()
+    os._exit(FAULT_EXIT)  # no cleanup, no goodbye to the coordinator: a lost machine
 
 
 def run_prefill(spec: dict) -> dict:
@@ -55,6 +72,7 @@ def run_prefill(spec: dict) -> dict:
     model = pod.shard_model(Model.create(config, int(spec.get("seed", 0))), mesh)
     prompt = [int(t) for t in spec["prompt"]]
     token_count = len(prompt)
+    _fault_point(spec, region.process_id, "prefill")
     first, state = pod.region_prefill(model, mesh, prompt, barrier=barrier)
   jax.block_until_ready(state)
   prefill_s = time.perf_counter() - t0
@@ -80,6 +98,7 @@ def run_prefill(spec: dict) -> dict:
   plan = plan_transfer(manifest, source, target)
   check_plan(plan, manifest)
   envelope = pod_transfer.Envelope(manifest, first, region.num_processes)
+  _fault_point(spec, region.process_id, "transfer")
   timeout = region.timeout_s
   sent = pod_transfer.send_shards(
       groups, plan, envelope, source=region.process_id, targets=spec["targets"],

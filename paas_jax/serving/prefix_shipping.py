@@ -18,7 +18,8 @@ from paas_jax.observability.logs import request_metadata
 from paas_jax.proto import serving_pb2
 from paas_jax.serving import common
 from paas_jax.serving.node_pool import NodePool
-from paas_jax.serving.request_lifecycle import RequestPhase, RequestRecord
+from paas_jax.serving.request_lifecycle import RequestPhase
+from paas_jax.serving.request_record import RequestRecord
 from paas_jax.serving.routing import PDP, PRFAAS
 
 log = logging.getLogger("paas_jax.serving.broker")

@@ -45,7 +45,7 @@ from paas_jax.codec import CodecOptions
 from paas_jax.observability.health import FAST_RECONNECT
 from paas_jax.proto import serving_pb2
 from paas_jax.serving import common
-from paas_jax.serving.engine import EngineError
+from paas_jax.serving.validation import EngineError
 from paas_jax.state import DecodeState, abstract_state, round_up
 from paas_jax.transport import LinkCounters, SenderOptions, StateSender, TransferError
 from paas_jax.transport.channels import make_channels

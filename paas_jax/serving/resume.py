@@ -18,7 +18,10 @@ the prompt's first ``n`` tokens (full-attention KV plus the fixed-size state at
   prefix counts as a prefix cached in the PD region (``RouteRequest
   .cached_prefix_tokens = n``); when the router would then keep the request
   local (``l = L - n`` under its threshold), or no other prefill server is
-  healthy, it resumes; otherwise it re-prefills on another PrfaaS node.
+  healthy, it resumes; otherwise it re-prefills on another PrfaaS node. This is
+  an offer: ``request_lifecycle.retry_decision`` takes it as one of its facts
+  and alone decides (a damaged state, ``FailureCause.STATE_DAMAGED``, is never
+  resumed: its commit points are not trusted).
 
 Per request the broker records the prompt tokens not recomputed
 (``RequestRecord.resumed_tokens``) and exports them as the Prometheus metrics

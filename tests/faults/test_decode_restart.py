@@ -14,7 +14,7 @@ from paas_jax.client import BrokerClient
 def stack():
   from paas_jax.models import api
   from paas_jax.serving import broker, common, decode_server, prefill_server
-  from paas_jax.serving.engine import EngineConfig
+  from paas_jax.serving.engine_config import EngineConfig
   from paas_jax.serving.routing import StaticThresholdPolicy
   model, _ = common.load_model("tiny_gdn_gqa", 0)
   ec = EngineConfig(n_slots=4, max_ctx=256, prefill_buckets=(64,), prefill_max_batch=2)

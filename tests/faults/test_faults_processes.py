@@ -17,7 +17,7 @@ import pytest
 from paas_jax.client import BrokerClient, GenerationError
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
 # Single-process generation of the same weights (tiny_gdn_gqa, seed 0).
-from tests.serving.conftest import ref_model, reference  # noqa: F401  (fixtures)
+from tests.serving.conftest import assert_logprobs, ref_model, reference  # noqa: F401  (fixtures)
 
 LONG, SHORT = 120, 20
 
@@ -45,11 +45,14 @@ def client(cluster):
 
 
 def test_prefill_killed_mid_transfer_reprefills_with_the_same_tokens(cluster, client,
-                                                                     reference):
+                                                                     reference,
+                                                                     assert_logprobs):
   prompt = _prompt(LONG, 1)
-  out = client.generate(prompt_ids=prompt, max_new_tokens=8, request_id="killed-prefill")
+  out = client.generate(prompt_ids=prompt, max_new_tokens=8, request_id="killed-prefill",
+                        logprobs=True, top_logprobs=3)
   assert cluster.procs["prefill"].popen.wait(10) == 137  # it really died mid-transfer
   assert out.tokens == reference(tuple(prompt), 8)
+  assert_logprobs(prompt, out)  # the re-prefilled state's logits, not only its tokens
   assert out.route == "pdp" and "fallback" in out.summary["route_reason"]
   # The broker's log names the request and the reroute.
   log = (cluster.workdir / "broker.log").read_text()

@@ -44,7 +44,7 @@ def stack(tmp_path_factory):
   from paas_jax.models import api
   from paas_jax.observability import ServingMetrics
   from paas_jax.serving import broker, common, decode_server, prefill_server
-  from paas_jax.serving.engine import EngineConfig
+  from paas_jax.serving.engine_config import EngineConfig
   from paas_jax.serving.routing import StaticThresholdPolicy
   from paas_jax.transport import SenderOptions
   certs = tmp_path_factory.mktemp("certs")

@@ -35,7 +35,7 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11] * 3
 def stack():
   """Decode (region B), prefill (region A) and broker servers in this process."""
   from paas_jax.serving import broker, common, decode_server, prefill_server
-  from paas_jax.serving.engine import EngineConfig
+  from paas_jax.serving.engine_config import EngineConfig
   from paas_jax.serving.routing import StaticThresholdPolicy
   model, _ = common.load_model("tiny_gdn_gqa", 0)
   ec = EngineConfig(n_slots=4, max_ctx=256, prefill_buckets=(64,), prefill_max_batch=2)
@@ -255,13 +255,21 @@ def test_duplicate_request_ids_in_flight(stack):
   assert_healthy(stack)
 
 
-@pytest.mark.parametrize("method,streaming", [
-    ("/paas_jax.serving.v1.Decode/Decode", True),
-    ("/paas_jax.serving.v1.Decode/Handoff", False),
-    ("/paas_jax.serving.v1.Prefill/Prefill", True),
-    ("/paas_jax.serving.v1.Broker/GetStats", False),
+# ProbePrefix may also answer FAILED_PRECONDITION: these servers have no prefix cache.
+_NO_CACHE = frozenset({Code.FAILED_PRECONDITION})
+
+
+@pytest.mark.parametrize("method,streaming,also", [
+    ("/paas_jax.serving.v1.Decode/Decode", True, frozenset()),
+    ("/paas_jax.serving.v1.Decode/Handoff", False, frozenset()),
+    ("/paas_jax.serving.v1.Prefill/Prefill", True, frozenset()),
+    ("/paas_jax.serving.v1.Broker/GetStats", False, frozenset()),
+    ("/paas_jax.serving.v1.Prefill/GetLoad", False, frozenset()),
+    ("/paas_jax.serving.v1.Prefill/ProbePrefix", False, _NO_CACHE),
+    ("/paas_jax.serving.v1.Decode/GetLoad", False, frozenset()),
+    ("/paas_jax.serving.v1.Decode/ProbePrefix", False, _NO_CACHE),
 ])
-def test_region_apis_survive_random_bytes(stack, method, streaming):
+def test_region_apis_survive_random_bytes(stack, method, streaming, also):
   target = {"Decode": stack["decode"].address, "Prefill": stack["prefill"].address,
             "Broker": stack["broker"].address}[method.split(".")[-1].split("/")[0]]
   rng = random.Random(hash(method) & 0xFFFF)
@@ -271,6 +279,6 @@ def test_region_apis_survive_random_bytes(stack, method, streaming):
       # A random message can be a valid request (e.g. a decode waiting for a state
       # that never comes); it then ends at the caller's deadline.
       code, details = raw_call(ch, method, data, streaming, timeout=3.0)
-      assert code in ALLOWED_RAW | {Code.NOT_FOUND, Code.DEADLINE_EXCEEDED}, (data[:40], code,
-                                                                             details)
+      assert code in ALLOWED_RAW | {Code.NOT_FOUND, Code.DEADLINE_EXCEEDED} | also, (
+          data[:40], code, details)
   assert_healthy(stack)

@@ -13,7 +13,7 @@ import functools
 import pytest
 
 from paas_jax.netem import LinkSpec
-from paas_jax.serving import common
+from paas_jax.serving import common, logprob_check
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
 
 CONFIG = "tiny_gdn_gqa"
@@ -61,3 +61,16 @@ def reference(ref_model):
                         sampling=api.SamplingParams(temperature, top_k, top_p), seed=seed,
                         stop_tokens=stops).tokens
   return ref
+
+
+@pytest.fixture(scope="session")
+def assert_logprobs(ref_model):
+  """assert_logprobs(prompt, out): ``out`` (asked with ``logprobs=True``) carries one
+  logprob per token and each matches the single-process reference logits within
+  ``logprob_check.LOGPROB_ATOL`` (#12: logits, not only tokens)."""
+  def check(prompt, out):
+    assert len(out.logprobs) == len(out.tokens), (len(out.logprobs), len(out.tokens))
+    cmp = logprob_check.compare(out.logprobs, logprob_check.reference_logprobs(
+        ref_model, list(prompt), out.tokens))
+    assert cmp.ok and cmp.steps == len(out.tokens), cmp
+  return check

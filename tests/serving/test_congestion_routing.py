@@ -2,14 +2,14 @@
 
 A real two-region cluster (separate processes) whose WAN relay shapes region A -> B
 to 2 Mbit/s, with the broker's adaptive router fed only by its ``LiveClusterState``
-(the prefill server's link counters, queue gauges and the broker's own transfers; no
+(the prefill server's typed load reports: link counters and queue, and the broker's own transfers; no
 injected ``ClusterView``). A medium prompt (t < l <= 2t) is offloaded while the link is
 quiet; a burst of long prompts then puts ~1.4 MB of state on the 2 Mbit/s link (about
 6 s of it), the view reports the congestion, and the same-length prompt stays local
 (t raised to 2t); once the link drains, it is offloaded again. Tokens match
 single-process generation on both routes.
 
-The fast variant (no servers) feeds ``LiveClusterState`` the prefill server's gauges of a
+The fast variant (no servers) feeds ``LiveClusterState`` the prefill server's load reports of a
 stalled link and checks the router's decision on the measured view.
 """
 
@@ -147,11 +147,12 @@ class _Clock:
 
 
 def _prefill_stats(sent_total: float, pending: float, queue: int = 0):
-  r = serving_pb2.StatsResponse(json=json.dumps({"link": {"transfers": {}}}))
-  r.gauges["link_bytes_sent_total"] = sent_total
-  r.gauges["link_bytes_pending"] = pending
-  r.gauges["queue"] = queue
-  return r
+  """A prefill server's typed GetLoad answer (its link counters and queue)."""
+  return serving_pb2.LoadReport(
+      server="prefill", prefill_queue_depth=queue,
+      link=serving_pb2.LinkLoad(link="A->B", bytes_sent_total=int(sent_total),
+                                bytes_pending=int(pending)),
+      prefix_cache=serving_pb2.PrefixCacheInfo(enabled=False))
 
 
 @pytest.mark.parametrize("case", ["stalled", "saturated", "quiet"])

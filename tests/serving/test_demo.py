@@ -39,5 +39,7 @@ def test_demo_two_region_small(tmp_path):
   # Both serving paths ran: local PD-P prefill and remote prefill over the link.
   routes = [r["route"] for r in report["requests"]]
   assert routes.count("pdp") >= 1 and routes.count("prfaas") >= 1, routes
+  # No fault, no resume (the negative control of test_demo_resume.py's counts).
+  assert report["fault"]["resumed_requests"] == 0 and report["fault"]["tokens_saved"] == 0
   assert report["link_utilization"]["a_to_b"]["bytes"] >= sum(
       r["link_bytes"] for r in report["requests"])

@@ -7,10 +7,12 @@ import pytest
 
 from paas_jax.models import api
 from paas_jax.serving import common
-from paas_jax.serving.batching import DecodeJob, DecodeScheduler, QueueFullError
-from paas_jax.serving.engine import (DecodeEngine, EngineConfig, InvalidRequestError,
-                                     PageAllocator, PoolExhaustedError, PrefillEngine,
-                                     PrefillInput, RequestParams, validate_request)
+from paas_jax.serving.decode_engine import DecodeEngine
+from paas_jax.serving.decode_scheduler import DecodeJob, DecodeScheduler, QueueFullError
+from paas_jax.serving.engine_config import EngineConfig
+from paas_jax.serving.prefill_engine import PrefillEngine, PrefillInput
+from paas_jax.serving.slot_pool import PageAllocator, PoolExhaustedError
+from paas_jax.serving.validation import InvalidRequestError, RequestParams, validate_request
 
 common.enable_compilation_cache(common.default_compilation_cache())
 
@@ -160,3 +162,11 @@ def test_prefix_gauges_count_reuse_once_per_prompt():
   assert (g["prefix_hits"], g["prefix_misses"], g["prefix_hit_tokens"]) == (1.0, 1.0, 64.0)
   # The cache's own lookups saw the inner hit of the first prompt as well.
   assert g["prefix_lookup_hit_tokens"] > g["prefix_hit_tokens"]
+
+
+def test_scheduler_event_kinds_are_typed():
+  from paas_jax.serving.decode_scheduler import Event, EventKind
+  assert Event("tokens", tokens=(1,)).kind is EventKind.TOKENS
+  assert {k.value for k in EventKind} == {"slot", "tokens", "finished", "error"}
+  with pytest.raises(ValueError, match="not a valid EventKind"):
+    Event("token")  # a misspelt kind fails where it is made, not as a silent no-match

@@ -82,3 +82,25 @@ def test_other_decode_healthy_and_index(pool):
   pool.mark_down(NodeKind.DECODE, 1, "t")
   pool.mark_down(NodeKind.DECODE, 2, "t")
   assert not pool.other_decode_healthy(0)
+
+
+def test_reported_load_is_kept_per_node_and_shown_with_roles(pool):
+  """The live view hands the pool each accepted GetLoad report: PD nodes' show
+  in roles_info next to the broker's in-flight count; picking is unchanged."""
+  from paas_jax.proto import serving_pb2
+  assert pool.reported_load(NodeKind.DECODE, 1) is None
+  assert "reported" not in pool.roles_info()[1]
+  pool.observe_load("decode", 1, serving_pb2.LoadReport(
+      server="decode", prefill_queue_depth=2, decode_slots_total=8, decode_slots_busy=5,
+      decode_waiting=1))
+  pool.observe_load("prefill", 0, serving_pb2.LoadReport(server="prefill",
+                                                         prefill_queue_depth=7))
+  r = pool.reported_load(NodeKind.DECODE, 1)
+  assert (r.prefill_queue, r.decode_slots_busy, r.decode_slots_total, r.decode_waiting) == (
+      2, 5, 8, 1)
+  assert pool.reported_load(NodeKind.PDP, 1) == r  # PD-P reads its PD node's report
+  assert pool.reported_load(NodeKind.PREFILL, 0).prefill_queue == 7
+  assert pool.reported_load(NodeKind.DECODE, 0) is None
+  assert pool.roles_info()[1]["reported"] == {"pdp_queue": 2, "decode_slots_busy": 5,
+                                              "decode_slots_total": 8, "decode_waiting": 1}
+  assert pool.load(NodeKind.DECODE, 1) == 0  # the broker's own count is separate

@@ -361,20 +361,27 @@ def test_set_roles_rpc_errors(pd_cluster):
   assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_role_move_drains_then_serves_the_new_role(pd_cluster, pd_client, reference):
+def test_role_move_drains_then_serves_the_new_role(pd_cluster, pd_client, reference,
+                                                   assert_logprobs):
   node0, node1 = (pd_cluster.pd_address(n) for n in pd_cluster.pd_names)
   long_prompt, n_long = _prompt(40, 3), 300
   result = {}
 
   def run():
     result["out"] = pd_client.generate(prompt_ids=long_prompt, max_new_tokens=n_long,
-                                       route="local", request_id="long")
+                                       route="local", request_id="long", logprobs=True)
   t = threading.Thread(target=run)
   t.start()
   deadline = time.monotonic() + 60
-  while True:  # wait until it decodes on node 0 (the PD-D node)
-    inflight = pd_client.stats()["inflight"]
-    if any(r["request_id"] == "long" and r["phase"] == "decoding" for r in inflight):
+  # Wait until it decodes on node 0 (the PD-D node) and node 1 (PD-P) holds nothing of
+  # it: with the first token early the request decodes while its transfer may still be
+  # leaving node 1, and a move of a node with PD-P work in flight drains first.
+  while True:
+    stats = pd_client.stats()
+    decoding = any(r["request_id"] == "long" and r["phase"] == "decoding"
+                   for r in stats["inflight"])
+    roles = {r["index"]: r for r in stats["router"]["roles"]}
+    if decoding and roles[1]["inflight_prefill"] == 0:
       break
     assert time.monotonic() < deadline and t.is_alive(), "the long request never decoded"
     time.sleep(0.02)
@@ -392,6 +399,8 @@ def test_role_move_drains_then_serves_the_new_role(pd_cluster, pd_client, refere
   assert out.tokens == reference(prompt, 6)
   t.join(120)
   assert result["out"].tokens == reference(long_prompt, n_long)
+  # Drained while decoding: every step's logits still the reference's.
+  assert_logprobs(long_prompt, result["out"])
   assert result["out"].summary["decode_server"] == node0
   stats = pd_client.stats()
   roles = {r["index"]: r for r in stats["router"]["roles"]}
@@ -404,9 +413,11 @@ def test_role_move_drains_then_serves_the_new_role(pd_cluster, pd_client, refere
   assert stats["role_moves"] >= 2
   # The new roles: node 0 prefills, node 1 decodes.
   prompt = _prompt(50, 5)
-  out = pd_client.generate(prompt_ids=prompt, max_new_tokens=8, route="local")
+  out = pd_client.generate(prompt_ids=prompt, max_new_tokens=8, route="local",
+                           logprobs=True, top_logprobs=3)
   assert out.summary["prefill_server"] == node0 and out.summary["decode_server"] == node1
   assert out.tokens == reference(prompt, 8)
+  assert_logprobs(prompt, out)
 
 
 def test_dead_pdp_node_falls_back(pd_cluster, pd_client, reference):

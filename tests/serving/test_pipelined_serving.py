@@ -62,3 +62,63 @@ def test_remote_prefill_streams_every_chunk_and_is_token_exact(cluster, client, 
   # Negative control: the reference of the other prompt differs, so the
   # equality above can fail.
   assert reference(prompt2, 10) != reference(prompt, 10)
+
+
+def test_prefix_the_decode_node_holds_is_not_sent(cluster, client, reference, assert_logprobs):
+  # The decode node prefilled a prompt locally (PD-P): its own prefix cache holds
+  # the prompt's blocks. A remote request sharing that prefix registers with its
+  # prompt, the decode node sets the prefix aside (held_tokens) and region A
+  # sends only the rest; tokens and logprobs are those of single-process
+  # generation. A remote request with a prefix nobody holds sends everything.
+  prompt = _prompt(PROMPT, 11)
+  out = client.generate(prompt_ids=prompt, max_new_tokens=2, route="local")
+  assert out.route == "pdp"
+  shared = prompt[:256] + _prompt(PROMPT - 256, 12)
+  before = _decode_stats(cluster)
+  out = client.generate(prompt_ids=shared, max_new_tokens=8, route="remote", logprobs=True,
+                        top_logprobs=2)
+  after = _decode_stats(cluster)
+  held = after["held_tokens"] - before["held_tokens"]
+  assert out.route == "prfaas" and out.summary["commit_point"] == PROMPT
+  assert held >= 128 and held % 64 == 0, held
+  assert after["held_requests"] - before["held_requests"] == 1
+  assert out.tokens == reference(shared, 8)
+  assert_logprobs(shared, out)
+  # Only the chunks past the held prefix travelled as segments.
+  assert after["segments_in"] - before["segments_in"] == -(-(PROMPT - held) // 128)
+
+  # Negative control: a prompt whose prefix the decode node does not hold.
+  fresh = _prompt(PROMPT, 13)
+  out_fresh = client.generate(prompt_ids=fresh, max_new_tokens=8, route="remote")
+  after2 = _decode_stats(cluster)
+  assert after2["held_tokens"] == after["held_tokens"]
+  assert after2["segments_in"] - after["segments_in"] == 3
+  assert out_fresh.tokens == reference(fresh, 8)
+  sent, sent_fresh = int(out.summary["link_bytes"]), int(out_fresh.summary["link_bytes"])
+  bytes_in = after["transfer_bytes_in"] - before["transfer_bytes_in"]
+  bytes_in_fresh = after2["transfer_bytes_in"] - after["transfer_bytes_in"]
+  print(f"held={held} link_bytes held={sent} fresh={sent_fresh} "
+        f"received held={bytes_in} fresh={bytes_in_fresh}")
+  assert sent < 0.6 * sent_fresh, (sent, sent_fresh)
+  assert bytes_in < 0.6 * bytes_in_fresh, (bytes_in, bytes_in_fresh)
+
+
+def test_held_tokens_and_prompt_length_are_checked(cluster):
+  prompt = list(_prompt(20, 14))
+  with grpc.insecure_channel(cluster.decode_address) as ch:
+    bad_len = serving_pb2.DecodeRequest(request_id="bad-len", model="tiny_gdn_gqa",
+                                        prompt_ids=prompt, remote_prefill=True,
+                                        prompt_len=len(prompt) + 1, max_new_tokens=2)
+    with pytest.raises(grpc.RpcError) as e:
+      next(serving_pb2_grpc.DecodeStub(ch).Decode(bad_len, timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_len" in e.value.details()
+    # The node's Prefill service (PD-P): a held prefix must lie inside the prompt.
+    for held in (-1, len(prompt)):
+      req = serving_pb2.PrefillRequest(request_id=f"bad-held{held}", model="tiny_gdn_gqa",
+                                       prompt_ids=prompt, decode_target="127.0.0.1:1",
+                                       decode_held_tokens=held)
+      with pytest.raises(grpc.RpcError) as e:
+        next(serving_pb2_grpc.PrefillStub(ch).Prefill(req, timeout=10))
+      assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+      assert "decode_held_tokens" in e.value.details()

@@ -24,7 +24,9 @@ from paas_jax.models import api
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.serving import common
 from paas_jax.serving import decode_server, prefill_server
-from paas_jax.serving.engine import EngineConfig, PrefillInput, RequestParams
+from paas_jax.serving.engine_config import EngineConfig
+from paas_jax.serving.prefill_engine import PrefillInput
+from paas_jax.serving.validation import RequestParams
 
 from tests.serving.conftest import CONFIG, PREFIX_BLOCK, SEED, THRESHOLD
 
@@ -200,6 +202,10 @@ def shipping_broker(cluster):
                             decode_targets=[broker_lib.DecodeTarget(**d) for d in s["decode"]])
   server.servicer.enable_prefix_transfer(s["prefill_transfer"])
   server.servicer.enable_live_view(200e6, rebalance_every_s=0)
+  # The link checks below read utilization after a PD-P prefill that can take longer
+  # than the default 2 s window on a loaded machine; a wide window keeps the prefix
+  # bytes in view without changing what is counted.
+  server.servicer.live.window_s = 30.0
   assert policy.cross_cluster_prefix == frozenset({"pdp", "prfaas"})
   with BrokerClient(server.address, timeout_s=120) as c:
     yield c, server
@@ -211,13 +217,14 @@ def _record(server, request_id: str) -> dict:
   return next(r for r in s["recent"] if r["request_id"] == request_id)
 
 
-def test_cluster_ships_region_a_prefix_to_pdp(shipping_broker, reference):
+def test_cluster_ships_region_a_prefix_to_pdp(shipping_broker, reference, assert_logprobs):
   client, server = shipping_broker
   shared = _tokens(2 * PREFIX_BLOCK, 41)
   out = client.generate(prompt_ids=shared + _tokens(30, 42), max_new_tokens=2, route="remote")
   assert out.route == "prfaas"  # region A now holds the shared blocks, PD-P does not
   prompt = shared + _tokens(40, 43)  # 40 tokens past the prefix <= t: stays local
-  out = client.generate(prompt_ids=prompt, max_new_tokens=8, request_id="ship-a-b")
+  out = client.generate(prompt_ids=prompt, max_new_tokens=8, request_id="ship-a-b",
+                        logprobs=True, top_logprobs=3)
   rec = _record(server, "ship-a-b")
   assert out.route == "pdp" and rec["prefix_source"] == "prfaas", rec
   assert (rec["l_pd_cached"], rec["l_prfaas_cached"]) == (0, len(shared))
@@ -229,17 +236,20 @@ def test_cluster_ships_region_a_prefix_to_pdp(shipping_broker, reference):
   assert out.tokens == reference(tuple(prompt), 8)
   gauges = server.servicer.GetStats(serving_pb2.StatsRequest(), None).gauges
   assert gauges["prefix_transfers"] >= 1
-  # The link view counted the prefix bytes (A->B is the router's link).
+  # The link view counted the prefix bytes (A->B is the router's link); read before
+  # the reference logits below, as utilization is a sliding window.
   assert server.servicer.live.link_utilization() > 0
+  assert_logprobs(prompt, out)
 
 
-def test_cluster_ships_pdp_prefix_to_region_a(shipping_broker, reference):
+def test_cluster_ships_pdp_prefix_to_region_a(shipping_broker, reference, assert_logprobs):
   client, server = shipping_broker
   shared = _tokens(3 * PREFIX_BLOCK, 51)
   out = client.generate(prompt_ids=shared + _tokens(20, 52), max_new_tokens=2, route="local")
   assert out.route == "pdp"  # PD-P now holds the prefix, region A does not
   prompt = shared + _tokens(150, 53)  # 150 tokens past the prefix > t: offloaded
-  out = client.generate(prompt_ids=prompt, max_new_tokens=8, request_id="ship-b-a")
+  out = client.generate(prompt_ids=prompt, max_new_tokens=8, request_id="ship-b-a",
+                        logprobs=True, top_logprobs=3)
   rec = _record(server, "ship-b-a")
   assert out.route == "prfaas" and rec["prefix_source"] == "pdp", rec
   assert rec["prefix_transfer"] == "pdp->prfaas" and not rec["prefix_transfer_error"]
@@ -247,6 +257,7 @@ def test_cluster_ships_pdp_prefix_to_region_a(shipping_broker, reference):
   assert out.summary["cached_tokens"] == len(shared)  # region A reused it
   assert out.tokens == reference(tuple(prompt), 8)
   assert server.servicer.live.snapshot()["ingress_bytes"] >= rec["prefix_transfer_bytes"]
+  assert_logprobs(prompt, out)
 
 
 def test_cluster_failed_prefix_transfer_only_recomputes(shipping_broker, reference):

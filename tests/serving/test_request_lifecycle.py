@@ -12,7 +12,8 @@ import pytest
 from paas_jax.serving.request_lifecycle import (TERMINAL, TRANSITIONS, AttemptFailed,
                                                 FailureCause, IllegalTransition,
                                                 RequestLifecycle, RequestPhase, RetryAction,
-                                                retry_decision)
+                                                lost_node, retry_decision)
+from paas_jax.serving.resume import ResumeDecision
 
 P = RequestPhase
 C = grpc.StatusCode
@@ -20,13 +21,18 @@ C = grpc.StatusCode
 # The walks the broker takes (module docstring), each must be accepted.
 PATHS = {
     "colocated": [P.ROUTED, P.PREFILLING, P.DECODING, P.FINISHED],
-    "remote": [P.ROUTED, P.PREFILLING, P.TRANSFERRING, P.DECODING, P.FINISHED],
+    "remote": [P.ROUTED, P.PREFILLING, P.TRANSFERRING, P.WAITING_FOR_STATE, P.DECODING,
+               P.FINISHED],
     "prefix_shipped": [P.ROUTED, P.PREFIX_SHIPPING, P.ROUTED, P.PREFILLING, P.DECODING,
                        P.FINISHED],
     "no_prefill_server": [P.ROUTED, P.REROUTED, P.PREFILLING, P.DECODING, P.FINISHED],
     # Decode node lost mid-stream: restarted, the client already has the first token.
-    "restart": [P.ROUTED, P.PREFILLING, P.TRANSFERRING, P.DECODING, P.REROUTED, P.PREFILLING,
-                P.TRANSFERRING, P.FINISHED],
+    "restart": [P.ROUTED, P.PREFILLING, P.TRANSFERRING, P.WAITING_FOR_STATE, P.DECODING,
+                P.REROUTED, P.PREFILLING, P.TRANSFERRING, P.WAITING_FOR_STATE, P.DECODING,
+                P.FINISHED],
+    # The probe at the handoff caught a damaged state: re-prefilled locally.
+    "damaged_state": [P.ROUTED, P.PREFILLING, P.TRANSFERRING, P.WAITING_FOR_STATE,
+                      P.REROUTED, P.PREFILLING, P.DECODING, P.FINISHED],
     "failed": [P.ROUTED, P.PREFILLING, P.FAILED],
     "refused_route": [P.FAILED],
 }
@@ -49,6 +55,10 @@ def test_broker_paths_are_legal(name):
     (P.PREFIX_SHIPPING, P.DECODING),
     (P.DECODING, P.PREFILLING),      # backwards without a reroute
     (P.TRANSFERRING, P.PREFILLING),
+    (P.TRANSFERRING, P.DECODING),    # remote: only through waiting_for_state
+    (P.PREFILLING, P.WAITING_FOR_STATE),  # no first token handed over yet
+    (P.PREFILLING, P.FINISHED),      # a finish always follows a slot (decoding)
+    (P.WAITING_FOR_STATE, P.FINISHED),
     (P.FINISHED, P.FAILED),          # terminal is terminal
     (P.FAILED, P.ROUTED),
     (P.FINISHED, P.DECODING),
@@ -73,7 +83,8 @@ def test_table_is_closed_and_terminals_have_no_exits():
 def test_phase_values_are_the_getstats_strings():
   # GetStats' inflight_<phase> gauges and record "phase" keep their names.
   assert [p.value for p in RequestPhase] == [
-      "received", "routed", "prefix_transfer", "prefilling", "transferring", "decoding",
+      "received", "routed", "prefix_transfer", "prefilling", "transferring",
+      "waiting_for_state", "decoding",
       "rerouted", "finished", "failed", "cancelled"]
   assert f"inflight_{P.PREFIX_SHIPPING}" == "inflight_prefix_transfer"
 
@@ -143,21 +154,53 @@ def test_every_transition_is_logged_with_the_request_id(caplog):
 
 def _decide(cause, code, attempt_no=1, **kw):
   facts = dict(max_attempts=3, client_gone=False, time_left_s=30.0, tokens_delivered=0,
-               other_decode_healthy=True)
+               other_decode_healthy=True, route="prfaas", other_prefill_healthy=True)
   facts.update(kw)
   return retry_decision(cause, code, attempt_no, **facts)
 
 
-@pytest.mark.parametrize("cause,code,kw,action", [
-    (FailureCause.PREFILL, C.UNAVAILABLE, {}, RetryAction.PREFILL_ELSEWHERE),
-    (FailureCause.PREFILL, C.DATA_LOSS, {}, RetryAction.PREFILL_ELSEWHERE),
-    (FailureCause.PREFILL, C.RESOURCE_EXHAUSTED, {}, RetryAction.PREFILL_ELSEWHERE),
+def _offer(resume: bool) -> ResumeDecision:
+  return ResumeDecision(resume, "pdp" if resume else "prfaas", 0, "d", 64,
+                        "resume:n=64" if resume else "reprefill:n=64")
+
+
+A = RetryAction
+# The decision table: cause, code, facts -> action, route, resumes.
+@pytest.mark.parametrize("cause,code,kw,action,route", [
+    (FailureCause.PREFILL, C.UNAVAILABLE, {}, A.PREFILL_ELSEWHERE, "prfaas"),
+    (FailureCause.PREFILL, C.UNAVAILABLE, {"other_prefill_healthy": False},
+     A.PREFILL_LOCALLY, "pdp"),
+    (FailureCause.PREFILL, C.DEADLINE_EXCEEDED, {}, A.PREFILL_ELSEWHERE, "prfaas"),
+    (FailureCause.PREFILL, C.RESOURCE_EXHAUSTED, {}, A.PREFILL_ELSEWHERE, "prfaas"),
+    # A commit point the resume policy takes: resume on the same decode node.
+    (FailureCause.PREFILL, C.UNAVAILABLE, {"resume": _offer(True)},
+     A.RESUME_FROM_COMMIT_POINT, "pdp"),
+    # ... or one it does not (the router would prefill remotely): another prefill node.
+    (FailureCause.PREFILL, C.UNAVAILABLE, {"resume": _offer(False)},
+     A.PREFILL_ELSEWHERE, "prfaas"),
+    # A damaged state: locally from scratch, whatever the commit point or other nodes.
+    (FailureCause.STATE_DAMAGED, C.DATA_LOSS, {}, A.PREFILL_LOCALLY, "pdp"),
+    (FailureCause.STATE_DAMAGED, C.DATA_LOSS, {"resume": _offer(True)},
+     A.PREFILL_LOCALLY, "pdp"),
     (FailureCause.DECODE, C.UNAVAILABLE, {"tokens_delivered": 5},
-     RetryAction.RESTART_ON_OTHER_DECODE),
+     A.RESTART_ON_OTHER_DECODE, "prfaas"),
+    (FailureCause.DECODE, C.UNAVAILABLE, {"route": "pdp"}, A.RESTART_ON_OTHER_DECODE, "pdp"),
 ])
-def test_retried(cause, code, kw, action):
+def test_retried(cause, code, kw, action, route):
   d = _decide(cause, code, **kw)
-  assert d.retry and d.action == action
+  assert d.retry and d.action == action and d.route == route
+  assert (d.resume is not None) == (action == A.RESUME_FROM_COMMIT_POINT)
+  assert d.fallback == (route == "pdp" and action != A.RESTART_ON_OTHER_DECODE)
+  assert code.name in d.reason
+
+
+def test_retry_reasons_are_the_reroute_causes_the_broker_reports():
+  # GetStats route_reason / reroutes and the reroute metric's label keep their text.
+  assert _decide(FailureCause.DECODE, C.UNAVAILABLE).reason == "decode server down: UNAVAILABLE"
+  assert (_decide(FailureCause.STATE_DAMAGED, C.DATA_LOSS).reason
+          == "prefill/transfer failed: DATA_LOSS")
+  assert (_decide(FailureCause.PREFILL, C.UNAVAILABLE, resume=_offer(True)).reason
+          == "prefill/transfer failed: UNAVAILABLE; resume:n=64")
 
 
 @pytest.mark.parametrize("cause,code,attempt_no,kw", [
@@ -168,10 +211,80 @@ def test_retried(cause, code, kw, action):
     (FailureCause.DECODE, C.DATA_LOSS, 1, {}),             # not a lost node
     (FailureCause.DECODE, C.UNAVAILABLE, 1, {"other_decode_healthy": False}),
     (FailureCause.PREFILL, C.UNAVAILABLE, 1, {"tokens_delivered": 1}),
+    (FailureCause.STATE_DAMAGED, C.DATA_LOSS, 1, {"tokens_delivered": 1}),
+    (FailureCause.PREFILL, C.UNAVAILABLE, 1, {"resume": _offer(True), "tokens_delivered": 2}),
     (FailureCause.PREFILL, C.UNAVAILABLE, 1, {"client_gone": True}),
     (FailureCause.PREFILL, C.UNAVAILABLE, 1, {"time_left_s": 0.1}),
     (FailureCause.PREFILL, C.UNAVAILABLE, 3, {}),          # attempts spent
+    (FailureCause.STATE_DAMAGED, C.DATA_LOSS, 3, {}),
 ])
 def test_not_retried(cause, code, attempt_no, kw):
   d = _decide(cause, code, attempt_no, **kw)
-  assert not d.retry and d.action is None and d.reason
+  assert not d.retry and d.action is None and d.reason and d.resume is None
+
+
+@pytest.mark.parametrize("cause,code,gone,lost", [
+    (FailureCause.DECODE, C.UNAVAILABLE, False, FailureCause.DECODE),
+    (FailureCause.PREFILL, C.UNAVAILABLE, False, FailureCause.PREFILL),
+    (FailureCause.PREFILL, C.UNAVAILABLE, True, None),     # the client left: not the node
+    (FailureCause.PREFILL, C.DEADLINE_EXCEEDED, False, None),
+    (FailureCause.STATE_DAMAGED, C.DATA_LOSS, False, None),  # the node answered
+    (FailureCause.REQUEST, C.UNAVAILABLE, False, None),
+])
+def test_lost_node(cause, code, gone, lost):
+  assert lost_node(cause, code, gone) == lost
+
+
+def _remote(rid: str):
+  lc = RequestLifecycle(rid)
+  lc.advance(P.ROUTED)
+  att = lc.begin_attempt("prfaas", rid)
+  lc.advance(P.PREFILLING)
+  lc.advance(P.TRANSFERRING, att)
+  return lc, att
+
+
+def test_waiting_for_state_between_handoff_and_slot():
+  lc, att = _remote("w1")
+  assert lc.state_awaited(att) is True and lc.phase == P.WAITING_FOR_STATE
+  assert lc.state_restored() is True and lc.phase == P.DECODING
+  assert lc.phases == (P.RECEIVED, P.ROUTED, P.PREFILLING, P.TRANSFERRING,
+                       P.WAITING_FOR_STATE, P.DECODING)
+  times = [t for _, t in lc.history]
+  assert times == sorted(times)
+
+
+def test_slot_before_the_handoff_answer_still_passes_waiting_for_state():
+  # The relay sees the slot before the follower reports the Handoff's answer:
+  # the slot proves the handoff happened, so the walk keeps its order and the
+  # follower's late report is dropped, not raised.
+  lc, att = _remote("w2")
+  assert lc.state_restored() is True
+  assert lc.phases[-2:] == (P.WAITING_FOR_STATE, P.DECODING)
+  assert lc.state_awaited(att) is False and lc.phase == P.DECODING
+  assert lc.phases.count(P.WAITING_FOR_STATE) == 1
+
+
+def test_state_awaited_by_a_stale_attempt_or_outside_transferring_is_dropped():
+  lc, att = _remote("w3")
+  lc.fail_attempt(att, AttemptFailed(C.DATA_LOSS, "probe", FailureCause.PREFILL))
+  assert lc.state_awaited(att) is False and lc.phase == P.TRANSFERRING
+  lc2 = RequestLifecycle("w4")
+  lc2.advance(P.ROUTED)
+  att2 = lc2.begin_attempt("pdp", "w4")
+  lc2.advance(P.PREFILLING)  # colocated: no handoff, a late report changes nothing
+  assert lc2.state_awaited(att2) is False and lc2.phase == P.PREFILLING
+  assert lc2.state_restored() is True and lc2.phases[-1] == P.DECODING
+  with pytest.raises(IllegalTransition):  # a slot out of order is a bug, not a drop
+    RequestLifecycle("w5", phase=P.ROUTED).state_restored()
+
+
+def test_waiting_for_state_is_logged_with_the_request_id(caplog):
+  caplog.set_level(logging.DEBUG, logger="paas_jax.serving.lifecycle")
+  lc, att = _remote("req-wait")
+  lc.state_awaited(att)
+  lc.state_restored()
+  moves = [r.getMessage() for r in caplog.records
+           if getattr(r, "request_id", "") == "req-wait" and "->" in r.getMessage()]
+  assert moves[-2:] == ["request req-wait: transferring -> waiting_for_state (handoff answered)",
+                        "request req-wait: waiting_for_state -> decoding (state restored)"]

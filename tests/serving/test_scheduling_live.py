@@ -121,9 +121,9 @@ def test_prefix_cached_in_the_other_region(adaptive, reference, region_stubs):
   out = client.generate(prompt_ids=warm, max_new_tokens=4, route="remote", request_id="warm-a")
   assert out.route == "prfaas"
   prompt = shared + _tokens(40, 13)  # 296 tokens, 40 past the shared prefix
-  probe = serving_pb2.StatsRequest(prefix_probe_ids=prompt)
-  assert prefill_stub.GetStats(probe, timeout=10).gauges["prefix_cached_tokens"] == len(shared)
-  assert decode_stub.GetStats(probe, timeout=10).gauges["prefix_cached_tokens"] == 0
+  probe = serving_pb2.PrefixProbeRequest(prompt_ids=prompt)
+  assert prefill_stub.ProbePrefix(probe, timeout=10).cached_tokens == len(shared)
+  assert decode_stub.ProbePrefix(probe, timeout=10).cached_tokens == 0
 
   holder["view"] = SCARCE
   out = client.generate(prompt_ids=prompt, max_new_tokens=8, request_id="other-scarce")
@@ -182,35 +182,38 @@ def test_streamed_prompt_caches_chunk_ends_only(client, region_stubs):
   out = client.generate(prompt_ids=prompt, max_new_tokens=3, route="remote")
   assert out.route == "prfaas"
   assert _stats(prefill_stub).get("prefix_released_bytes", 0.0) == before
-  longer = serving_pb2.StatsRequest(prefix_probe_ids=prompt + [1, 2])
+  longer = serving_pb2.PrefixProbeRequest(prompt_ids=prompt + [1, 2])
   # The first chunk's end stays; the prompt's own end is not cached.
-  assert prefill_stub.GetStats(longer, timeout=10).gauges["prefix_cached_tokens"] == (
-      2 * PREFIX_BLOCK)
+  assert prefill_stub.ProbePrefix(longer, timeout=10).cached_tokens == 2 * PREFIX_BLOCK
 
 
 def test_probe_by_hashes_answers_like_ids_over_grpc(client, region_stubs):
-  """Both regions' GetStats give the same prefix_cached_tokens for the prompt's
-  ids and for the hashes of its blocks; a bad prefix_probe_block is refused
-  with INVALID_ARGUMENT (<= 0) or FAILED_PRECONDITION (not the server's)."""
+  """Both regions' ProbePrefix give the same cached prefix for the prompt's ids
+  and for the hashes of its blocks (block size and fingerprint from GetLoad);
+  a bad block_tokens is refused with INVALID_ARGUMENT (<= 0) or
+  FAILED_PRECONDITION (not the server's). GetStats answers no probe: it is for
+  people and Prometheus (the StatsRequest probe fields are reserved)."""
   from paas_jax.state import block_hashes, probe_tokens
+  assert not {"prefix_probe_ids", "prefix_probe_hashes", "prefix_probe_block"} & set(
+      serving_pb2.StatsRequest.DESCRIPTOR.fields_by_name)
   shared = _tokens(2 * PREFIX_BLOCK, 51)
   for route in ("remote", "local"):
     out = client.generate(prompt_ids=shared + _tokens(9, 52), max_new_tokens=2, route=route)
     assert out.route == ("prfaas" if route == "remote" else "pdp")
   prompts = [shared + _tokens(20, 53), shared[:PREFIX_BLOCK + 1], shared, _tokens(150, 54)]
   for stub in region_stubs:
-    info = stub.GetStats(serving_pb2.StatsRequest(), timeout=10)
-    block, fp = int(info.gauges["prefix_block"]), json.loads(info.json)["fingerprint"]
-    assert block == PREFIX_BLOCK
+    cache = stub.GetLoad(serving_pb2.LoadRequest(), timeout=10).prefix_cache
+    block, fp = cache.block_tokens, cache.config_fingerprint
+    assert cache.enabled and block == PREFIX_BLOCK
+    assert "prefix_cached_tokens" not in stub.GetStats(serving_pb2.StatsRequest(),
+                                                       timeout=10).gauges
     answers = []
     for prompt in prompts:
-      by_ids = stub.GetStats(serving_pb2.StatsRequest(prefix_probe_ids=prompt), timeout=10)
-      hashed = serving_pb2.StatsRequest(
-          prefix_probe_hashes=block_hashes(probe_tokens(prompt), block, fp),
-          prefix_probe_block=block)
-      by_hashes = stub.GetStats(hashed, timeout=10)
-      answers.append(by_ids.gauges["prefix_cached_tokens"])
-      assert by_hashes.gauges["prefix_cached_tokens"] == answers[-1]
+      by_ids = stub.ProbePrefix(serving_pb2.PrefixProbeRequest(prompt_ids=prompt), timeout=10)
+      hashed = serving_pb2.PrefixProbeRequest(
+          block_hashes=block_hashes(probe_tokens(prompt), block, fp), block_tokens=block)
+      answers.append(by_ids.cached_tokens)
+      assert stub.ProbePrefix(hashed, timeout=10).cached_tokens == answers[-1]
     # Region A (streamed remote prefills) caches 128-token chunk ends; PD-P
     # (store-then-send / local prefill) caches every 64-token block.
     expected = ([2 * PREFIX_BLOCK, 0, 0, 0] if stub is region_stubs[0]
@@ -222,9 +225,18 @@ def test_probe_by_hashes_answers_like_ids_over_grpc(client, region_stubs):
                            (block // 2, grpc.StatusCode.FAILED_PRECONDITION,
                             f"uses {block}-token blocks")):
       with pytest.raises(grpc.RpcError) as err:
-        stub.GetStats(serving_pb2.StatsRequest(prefix_probe_hashes=hashes,
-                                               prefix_probe_block=bad), timeout=10)
+        stub.ProbePrefix(serving_pb2.PrefixProbeRequest(block_hashes=hashes,
+                                                        block_tokens=bad), timeout=10)
       assert err.value.code() == code and msg in err.value.details()
+    for req, msg in ((serving_pb2.PrefixProbeRequest(), "give prompt_ids or block_hashes"),
+                     (serving_pb2.PrefixProbeRequest(prompt_ids=prompts[0], block_hashes=hashes,
+                                                     block_tokens=block), "not both"),
+                     (serving_pb2.PrefixProbeRequest(block_hashes=[b"x" * 8],
+                                                     block_tokens=block), "not 16")):
+      with pytest.raises(grpc.RpcError) as err:
+        stub.ProbePrefix(req, timeout=10)
+      assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+      assert msg in err.value.details()
 
 
 def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
@@ -293,7 +305,27 @@ def test_link_gauges_match_the_brokers_link_bytes(adaptive, region_stubs, refere
   # The polls taught it both regions' blocks: its probes carry hashes, not ids.
   probes = live.probe_requests_for(prompt)
   assert {side for side, _, _ in probes} == {"pdp", "prfaas"}
-  assert all(r.prefix_probe_hashes and not r.prefix_probe_ids for _, _, r in probes)
+  assert all(r.block_hashes and not r.prompt_ids for _, _, r in probes)
+  # What it read: the typed GetLoad reports, which agree with the GetStats gauges.
+  load = prefill_stub.GetLoad(serving_pb2.LoadRequest(), timeout=10)
+  stats = _stats(prefill_stub)
+  assert load.server == "prefill" and load.link.link == "A->B"
+  assert load.link.bytes_sent_total == stats["link_bytes_sent_total"] == (
+      after["link_bytes_sent_total"])
+  assert load.link.bytes_pending == 0 and load.link.transfers_active == 0
+  assert load.prefill_queue_depth == stats["queue"] == 0
+  assert (load.prefix_cache.enabled, load.prefix_cache.block_tokens) == (True, PREFIX_BLOCK)
+  d_load = decode_stub.GetLoad(serving_pb2.LoadRequest(), timeout=10)
+  d_stats = _stats(decode_stub)
+  assert d_load.server == "decode" and d_load.link.link == "B->A"
+  assert d_load.link.bytes_sent_total == d_stats["link_bytes_sent_total"]
+  assert (d_load.decode_slots_total, d_load.prefill_queue_depth) == (
+      d_stats["slots_total"], d_stats["pdp_queue"])
+  assert live.snapshot()["refused_reports"] == 0
+  # The node pool keeps the PD nodes' reports (GetStats json router.roles).
+  roles = json.loads(server.servicer.GetStats(serving_pb2.StatsRequest(), None).json)
+  reported = roles["router"]["roles"][0]["reported"]
+  assert reported["decode_slots_total"] == d_stats["slots_total"]
 
 
 def test_broker_stats_report_router_and_rebalance(adaptive):
@@ -350,21 +382,28 @@ def test_rebalance_step_resolves_t_from_measurements():
   assert "prfaas_prefill" in p["calibrated"] and "s_kv" in p["calibrated"]
 
 
-def _stats_response(gauges: dict, link_rows: dict | None = None,
-                    **info) -> serving_pb2.StatsResponse:
-  if link_rows is not None:
-    info["link"] = {"label": "A->B", "transfers": link_rows}
-  return serving_pb2.StatsResponse(server="prefill", gauges=gauges, json=json.dumps(info))
-
-
-def _link(pending: float, sent_total: float, **extra) -> dict:
-  return {"queue": 0.0, "link_bytes_pending": pending, "link_bytes_sent_total": sent_total,
-          "link_transfers_active": 0.0, **extra}
+def _report(pending: float | None = None, sent_total: float = 0.0, rows: dict | None = None,
+            *, server: str = "prefill", queue: int = 0,
+            cache: serving_pb2.PrefixCacheInfo | None = None) -> serving_pb2.LoadReport:
+  """A server's GetLoad answer: its link (None: ``pending`` None, an
+  unmeasured link), in-flight ``rows`` by transfer id, queue and prefix cache."""
+  link = None
+  if pending is not None:
+    link = serving_pb2.LinkLoad(
+        link="A->B" if server == "prefill" else "B->A", bytes_pending=int(pending),
+        bytes_sent_total=int(sent_total),
+        transfers=[serving_pb2.LinkTransferLoad(transfer_id=tid, pending_bytes=int(r["pending"]),
+                                                sent_bytes=int(r["sent"]),
+                                                encoded=r["encoded"])
+                   for tid, r in (rows or {}).items()])
+  return serving_pb2.LoadReport(
+      server=server, prefill_queue_depth=queue, link=link,
+      prefix_cache=cache or serving_pb2.PrefixCacheInfo(enabled=False))
 
 
 def test_live_backlog_from_server_gauges_counts_nothing_twice():
   """Backlog = the servers' measured pending + estimates only for transfers
-  they do not list yet (a fake sequence of GetStats answers)."""
+  they do not list yet (a fake sequence of GetLoad answers)."""
   clock = _Clock()
   live = LiveClusterState([None], [None], link_bandwidth_bps=8e6, window_s=2.0, clock=clock)
   live.transfer_finished("old1", prompt_tokens=100, nbytes=1e6, duration_s=1.0)
@@ -375,38 +414,36 @@ def test_live_backlog_from_server_gauges_counts_nothing_twice():
   assert live.backlog_bytes() == pytest.approx(est)  # no gauges yet: estimate only
   # r1 waits for its prefill batch: the server does not list it; another
   # sender's transfer ("x") has 1e5 bytes pending on the link.
-  live.ingest("prefill", 0, _stats_response(_link(1e5, 0), {"x": {
+  live.ingest("prefill", 0, _report(1e5, 0, {"x": {
       "pending": 1e5, "sent": 0, "encoded": True}}))
   assert live.backlog_bytes() == pytest.approx(1e5 + est)
   # r1 streams layer by layer: measured pending + what the estimate says is left.
-  live.ingest("prefill", 0, _stats_response(_link(3e5, 4e5), {"r1": {
+  live.ingest("prefill", 0, _report(3e5, 4e5, {"r1": {
       "pending": 3e5, "sent": 4e5, "encoded": False}}))
   assert live.backlog_bytes() == pytest.approx(3e5 + (est - 4e5 - 3e5))
   # Every layer encoded: only the measurement is left.
-  live.ingest("prefill", 0, _stats_response(_link(2e5, 1.3e6), {"r1": {
+  live.ingest("prefill", 0, _report(2e5, 1.3e6, {"r1": {
       "pending": 2e5, "sent": 1.3e6, "encoded": True}}))
   assert live.backlog_bytes() == pytest.approx(2e5)
   # Committed at the server before the broker read TransferDone: nothing left,
   # and the estimate does not come back.
-  live.ingest("prefill", 0, _stats_response(_link(0, 1.5e6), {}))
+  live.ingest("prefill", 0, _report(0, 1.5e6, {}))
   assert live.backlog_bytes() == 0
   live.transfer_finished("r1", prompt_tokens=200, nbytes=1.5e6, duration_s=1.0)
   assert live.backlog_bytes() == 0
   # Region B's prefix exports (B->A) are ingress, never the router's backlog.
-  live.ingest("decode", 0, serving_pb2.StatsResponse(
-      server="decode", gauges={"pdp_queue": 2.0, "link_bytes_pending": 7e4,
-                               "link_bytes_sent_total": 9e4}))
+  live.ingest("decode", 0, _report(7e4, 9e4, server="decode", queue=2))
   assert live.backlog_bytes() == 0 and live.ingress_pending_bytes() == 7e4
   assert live.view().pdp_queue_depth == 2
-  # An older prefill server (no link gauges): back to the estimates.
+  # A prefill server reporting no link: back to the estimates.
   live.transfer_started("r2", 200)
-  live.ingest("prefill", 0, _stats_response({"queue": 1.0}))
+  live.ingest("prefill", 0, _report(queue=1))
   assert live.backlog_bytes() == pytest.approx(est)
 
 
 def test_live_utilization_is_the_rate_of_sent_bytes():
   """Utilization = rate of link_bytes_sent_total over the window, from polls;
-  TransferDone records only when the servers report no link gauges."""
+  TransferDone records only when the servers report no link."""
   clock = _Clock()
   live = LiveClusterState([None, None], [], link_bandwidth_bps=8e6, window_s=2.0,
                           clock=clock)  # 8 Mbit/s = 1e6 B/s
@@ -415,24 +452,24 @@ def test_live_utilization_is_the_rate_of_sent_bytes():
   for t, (s0, s1) in ((99.0, (0, 0)), (100.0, (2e5, 0)), (101.0, (6e5, 2e5)),
                       (102.0, (9e5, 4e5))):
     clock.t = t
-    live.ingest("prefill", 0, _stats_response(_link(0, s0)))
-    live.ingest("prefill", 1, _stats_response(_link(0, s1)))
+    live.ingest("prefill", 0, _report(0, s0))
+    live.ingest("prefill", 1, _report(0, s1))
   # Window [100, 102]: (9e5 - 2e5) + (4e5 - 0) bytes in 2 s = 0.55e6 B/s.
   assert live.measured_link_rate() == pytest.approx(0.55e6)
   assert live.view().link_utilization == pytest.approx(0.55)
   clock.t = 102.5  # between polls: the window ends at the latest poll
-  live.ingest("prefill", 0, _stats_response(_link(0, 1.0e6)))
+  live.ingest("prefill", 0, _report(0, 1.0e6))
   # Server 0: window [100.5, 102.5]; the counter at 100.5 is interpolated (4e5).
   assert live.measured_link_rate() == pytest.approx((1.0e6 - 4e5) / 2.0 + 4e5 / 2.0)
   clock.t = 110.0  # no poll for longer than the window: nothing measured as sent
   assert live.view().link_utilization == 0.0
   # A restarted server (counter back to 0) starts a new series.
-  live.ingest("prefill", 0, _stats_response(_link(0, 1e3)))
+  live.ingest("prefill", 0, _report(0, 1e3))
   clock.t = 111.0
-  live.ingest("prefill", 0, _stats_response(_link(0, 5e5)))
+  live.ingest("prefill", 0, _report(0, 5e5))
   assert live.measured_link_rate() == pytest.approx(4.99e5)
-  # An older server without link gauges: TransferDone accounting again.
-  live.ingest("prefill", 1, _stats_response({"queue": 0.0}))
+  # A server reporting no link: TransferDone accounting again.
+  live.ingest("prefill", 1, _report())
   assert live.measured_link_rate() is None
   live.transfer_finished("b", prompt_tokens=100, nbytes=1e6, duration_s=1.0)
   assert live.view().link_utilization == pytest.approx(0.5)
@@ -469,36 +506,42 @@ class _FakeContext:
     raise _FakeRpcError(code, details)
 
 
-class _CacheStub:
-  """A server's GetStats over an in-process HybridPrefixCache (no gRPC); keeps
-  the probes it got."""
+class _CacheEngine:
+  """The prefix-cache side of a ``PrefillEngine`` over an in-process cache."""
 
   def __init__(self, cache):
-    from paas_jax.serving import common
+    self.prefix_cache = cache
 
-    class _Engine:
-      prefix_cache = cache
+  def cached_prefix_tokens(self, prompt):
+    return self.prefix_cache.match_length(prompt)
 
-      def cached_prefix_tokens(self, prompt):
-        return cache.match_length(prompt)
+  def cached_prefix_tokens_hashed(self, hashes):
+    return self.prefix_cache.match_length_hashes(hashes)
 
-      def cached_prefix_tokens_hashed(self, hashes):
-        return cache.match_length_hashes(hashes)
 
-    self.requests, engine = [], _Engine()
+class _Method:
+  def __init__(self, fn):
+    self.fn = fn
 
-    def get_stats(req):
+  def future(self, req, timeout=None):
+    del timeout
+    return _FakeFuture(lambda: self.fn(req))
+
+
+class _CacheStub:
+  """A server's GetLoad and ProbePrefix (the servers' own ``control_plane``
+  code) over an in-process HybridPrefixCache (no gRPC); keeps the probes it got."""
+
+  def __init__(self, cache, server: str):
+    from paas_jax.serving import control_plane
+    self.requests, engine = [], _CacheEngine(cache)
+
+    def probe(req):
       self.requests.append(req)
-      g = common.probe_gauges(engine, req, _FakeContext())
-      return serving_pb2.StatsResponse(
-          gauges=g, json=json.dumps({"fingerprint": cache.config.fingerprint()}))
-
-    class _Method:
-      @staticmethod
-      def future(req, timeout=None):
-        del timeout
-        return _FakeFuture(lambda: get_stats(req))
-    self.GetStats = _Method()
+      return control_plane.probe_prefix(engine, req, _FakeContext())
+    self.ProbePrefix = _Method(probe)
+    self.GetLoad = _Method(lambda req: serving_pb2.LoadReport(
+        server=server, prefix_cache=control_plane.prefix_cache_info(engine)))
 
 
 def test_hashed_probes_answer_like_ids_and_fall_back():
@@ -520,33 +563,32 @@ def test_hashed_probes_answer_like_ids_and_fall_back():
     state = dataclasses.replace(init_state(config, 1, n),
                                 lengths=jnp.full((1,), n, jnp.int32))
     cache.insert(shared[:n], state)
-  pd, pf = _CacheStub(caches[0]), _CacheStub(caches[1])
+  pd, pf = _CacheStub(caches[0], "decode"), _CacheStub(caches[1], "prefill")
   live = LiveClusterState([pf], [pd], link_bandwidth_bps=1e9)
   prompts = [shared + _tokens(9, 42), shared[:PREFIX_BLOCK + 3], shared[:2 * PREFIX_BLOCK],
              _tokens(300, 43), shared[:10]]
   by_ids = [live.probe_prefix(p) for p in prompts]
   assert by_ids[0] == (2 * PREFIX_BLOCK, 3 * PREFIX_BLOCK)
-  assert all(r.prefix_probe_ids and not r.prefix_probe_hashes
-             for r in pd.requests + pf.requests)
-  live.poll_once()  # learns prefix_block and fingerprint of both
+  assert all(r.prompt_ids and not r.block_hashes for r in pd.requests + pf.requests)
+  live.poll_once()  # learns the block size and fingerprint of both
   pd.requests.clear(), pf.requests.clear()
   assert [live.probe_prefix(p) for p in prompts] == by_ids
-  assert all(r.prefix_probe_hashes and not r.prefix_probe_ids
-             for r in pd.requests + pf.requests)
-  assert {r.prefix_probe_block for r in pd.requests} == {PREFIX_BLOCK}
-  assert {r.prefix_probe_block for r in pf.requests} == {PREFIX_BLOCK // 2}
+  assert all(r.block_hashes and not r.prompt_ids for r in pd.requests + pf.requests)
+  assert {r.block_tokens for r in pd.requests} == {PREFIX_BLOCK}
+  assert {r.block_tokens for r in pf.requests} == {PREFIX_BLOCK // 2}
   # shared[:10] has no complete block before its last token: no probe at all.
   assert len(pd.requests) == 4 and len(pf.requests) == 4
   # Region A restarts with another block size: the old hashes are refused...
   live._probe_info[("prfaas", 0)] = (PREFIX_BLOCK, config.fingerprint())
   pf.requests.clear()
   assert live.probe_prefix(prompts[0]) == (2 * PREFIX_BLOCK, 0)
-  assert pf.requests[-1].prefix_probe_block == PREFIX_BLOCK
+  assert pf.requests[-1].block_tokens == PREFIX_BLOCK
   # ... and forgotten: ids until the next poll.
   assert live.probe_prefix(prompts[0]) == by_ids[0]
-  assert pf.requests[-1].prefix_probe_ids
+  assert pf.requests[-1].prompt_ids
   # A server without a prefix cache is never probed.
-  live.ingest("prefill", 0, serving_pb2.StatsResponse(gauges={"prefix_cache_enabled": 0.0}))
+  assert live.ingest("prefill", 0, serving_pb2.LoadReport(
+      server="prefill", prefix_cache=serving_pb2.PrefixCacheInfo(enabled=False)))
   pf.requests.clear()
   assert live.probe_prefix(prompts[0]) == (2 * PREFIX_BLOCK, 0) and not pf.requests
 
@@ -554,30 +596,117 @@ def test_hashed_probes_answer_like_ids_and_fall_back():
 def test_hashed_probe_is_much_smaller_than_ids():
   """The serialized probe of a 4096-token prompt with 64-token blocks: 63
   hashes of 16 bytes instead of 4096 varint ids (a property of the encoding)."""
-  from paas_jax.serving.common import ProbeError, prefix_cache_gauges
+  from paas_jax.serving import control_plane
   live = LiveClusterState([None], [], link_bandwidth_bps=1e9)
   rng = np.random.default_rng(5)
   prompt = [int(t) for t in rng.integers(0, 151_936, 4096)]  # a Qwen-sized vocabulary
-  ids = serving_pb2.StatsRequest(prefix_probe_ids=prompt)
-  live.ingest("prefill", 0, serving_pb2.StatsResponse(
-      gauges={"prefix_cache_enabled": 1.0, "prefix_block": 64.0},
-      json=json.dumps({"fingerprint": "f" * 16})))
-  # An older server (no prefix_probe_hashes gauge) is probed by ids.
+  ids = serving_pb2.PrefixProbeRequest(prompt_ids=prompt)
+  # A server whose cache is not learned yet (no poll) is probed by ids.
   assert live.probe_requests_for(prompt) == [("prfaas", 0, ids)]
-  live.ingest("prefill", 0, serving_pb2.StatsResponse(
-      gauges={"prefix_cache_enabled": 1.0, "prefix_block": 64.0, "prefix_probe_hashes": 1.0},
-      json=json.dumps({"fingerprint": "f" * 16})))
+  assert live.ingest("prefill", 0, serving_pb2.LoadReport(
+      server="prefill", prefix_cache=serving_pb2.PrefixCacheInfo(
+          enabled=True, block_tokens=64, config_fingerprint="f" * 16)))
   [(_, _, hashed)] = live.probe_requests_for(prompt)
-  assert len(hashed.prefix_probe_hashes) == 4095 // 64 == 63
+  assert len(hashed.block_hashes) == 4095 // 64 == 63
   # field 2: 63 x (tag + length + 16 bytes); field 3: tag + varint(64).
   assert hashed.ByteSize() == 63 * 18 + 2
   assert ids.ByteSize() > 4 * 4096 * 0.7  # 3-byte varints plus the packed header
   assert hashed.ByteSize() / ids.ByteSize() < 0.1
-  # Malformed probes are refused before any cache work (no engine needed).
-  for kw, msg in (({"probe_hashes": [b"x" * 16], "probe_block": 0}, "must be > 0"),
-                  ({"probe_hashes": [b"x" * 8], "probe_block": 64}, "not 16"),
-                  ({"probe_ids": [1, 2], "probe_hashes": [b"x" * 16], "probe_block": 64},
-                   "not both")):
-    with pytest.raises(ProbeError, match=msg) as info:
-      prefix_cache_gauges(None, **kw)
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+  # Malformed probes are refused before any cache work (no engine needed), as
+  # are a probe that gives nothing and one to a server without a cache
+  # (FAILED_PRECONDITION).
+  P = serving_pb2.PrefixProbeRequest
+  no_cache = _CacheEngine(None)
+  for req, code, msg in (
+      (P(block_hashes=[b"x" * 16]), grpc.StatusCode.INVALID_ARGUMENT, "must be > 0"),
+      (P(block_hashes=[b"x" * 8], block_tokens=64), grpc.StatusCode.INVALID_ARGUMENT, "not 16"),
+      (P(prompt_ids=[1, 2], block_hashes=[b"x" * 16], block_tokens=64),
+       grpc.StatusCode.INVALID_ARGUMENT, "not both"),
+      (P(), grpc.StatusCode.INVALID_ARGUMENT, "give prompt_ids or block_hashes"),
+      (P(prompt_ids=[1, 2]), grpc.StatusCode.FAILED_PRECONDITION, "no prefix cache")):
+    with pytest.raises(_FakeRpcError) as err:
+      control_plane.probe_prefix(no_cache, req, _FakeContext())
+    assert err.value.code() == code and msg in err.value.details(), req
+
+
+def _valid_report(**kw) -> serving_pb2.LoadReport:
+  fields = dict(server="decode", prefill_queue_depth=3, decode_slots_total=4,
+                decode_slots_busy=2, decode_waiting=1,
+                link=serving_pb2.LinkLoad(link="B->A", bytes_sent_total=10),
+                prefix_cache=serving_pb2.PrefixCacheInfo(enabled=True, block_tokens=64,
+                                                         config_fingerprint="f" * 16))
+  fields.update(kw)
+  return serving_pb2.LoadReport(**fields)
+
+
+@pytest.mark.parametrize("broken, why", [
+    ({"server": "prefill"}, "answered as 'prefill'"),
+    ({"server": ""}, "answered as ''"),
+    ({"prefill_queue_depth": -1}, "negative counts: prefill_queue_depth=-1"),
+    ({"decode_slots_busy": 5}, "5 busy decode slots of 4"),
+    ({"prefix_cache": None}, "prefix_cache is missing"),
+    ({"prefix_cache": serving_pb2.PrefixCacheInfo(enabled=True, config_fingerprint="f")},
+     "block_tokens > 0"),
+    ({"prefix_cache": serving_pb2.PrefixCacheInfo(enabled=True, block_tokens=64)},
+     "config_fingerprint"),
+    ({"link": serving_pb2.LinkLoad(transfers=[serving_pb2.LinkTransferLoad(pending_bytes=1)])},
+     "without transfer_id"),
+])
+def test_malformed_load_reports_are_refused(broken, why):
+  """A PD node's report with a wrong or missing field is refused: the view keeps
+  the node's last good values and counts the refusal; the well-formed report
+  (the control) is taken."""
+  from paas_jax.serving import control_plane
+  live = LiveClusterState([], [None], link_bandwidth_bps=1e9)
+  seen = []
+  live.on_load_report = lambda *a: seen.append(a)
+  good = _valid_report()
+  control_plane.check_load_report(good, "decode")
+  assert live.ingest("decode", 0, good)
+  assert live.view().pdp_queue_depth == 3 and live._probe_info[("pdp", 0)][0] == 64
+  bad = _valid_report(**broken)
+  with pytest.raises(control_plane.InvalidLoadReport, match=why):
+    control_plane.check_load_report(bad, "decode")
+  assert not live.ingest("decode", 0, bad)
+  assert live.snapshot()["refused_reports"] == 1
+  assert live.view().pdp_queue_depth == 3 and live._probe_info[("pdp", 0)][0] == 64
+
+
+def test_load_report_without_link_is_flagged_unmeasured():
+  """A prefill server's report without ``link`` is taken (queue, cache) but its
+  link counts as unmeasured: utilization falls back to TransferDone records."""
+  clock = _Clock()
+  live = LiveClusterState([None], [], link_bandwidth_bps=8e6, window_s=2.0, clock=clock)
+  live.transfer_finished("a", prompt_tokens=100, nbytes=1e6, duration_s=1.0)
+  for t, sent in ((99.0, 0), (100.0, 2e5)):
+    clock.t = t
+    assert live.ingest("prefill", 0, _report(0, sent))
+  assert live.snapshot()["link_measured"]
+  assert live.view().link_utilization == pytest.approx(0.2)  # 2e5 B/s measured
+  assert live.ingest("prefill", 0, _report(queue=4))
+  assert not live.snapshot()["link_measured"]
+  assert live.view().link_utilization == pytest.approx(0.5)  # 1 MB TransferDone in 2 s
+  assert live.view().prfaas_queue_depth == 4 and live.refused_reports == 0
+
+
+def test_poll_reads_get_load_with_a_deadline_and_counts_errors():
+  """poll_once calls GetLoad on every server with the poll deadline; an error
+  answer counts in poll_errors and keeps the last values."""
+  calls = []
+
+  class _Stub:
+    def __init__(self, answer):
+      def get_load(req):
+        calls.append(req)
+        if isinstance(answer, Exception):
+          raise answer
+        return answer
+      self.GetLoad = _Method(get_load)
+
+  live = LiveClusterState(
+      [_Stub(_report(0, 10, queue=2))],
+      [_Stub(_FakeRpcError(grpc.StatusCode.UNIMPLEMENTED, "no GetLoad"))],
+      link_bandwidth_bps=1e9)
+  live.poll_once()
+  assert len(calls) == 2 and all(isinstance(c, serving_pb2.LoadRequest) for c in calls)
+  assert live.prfaas_queue == [2] and live.poll_errors == 1 and live.polls == 1

@@ -1,20 +1,25 @@
-"""Request-level batching around the engines.
+"""Continuous batching over ``DecodeEngine``.
 
-* ``PrefillBatcher``: a thread that gathers queued prompts into batches for
-  ``PrefillEngine`` (used by the PrfaaS prefill server and by PD-P prefill in
-  the decode server).
-* ``DecodeScheduler``: continuous batching over ``DecodeEngine``: admits
-  requests whose state is ready into free slots between decode steps, streams
-  each token to its request, frees slots as requests finish or are cancelled.
-  A bounded wait queue stands in front of the pool; beyond it ``submit``
-  raises ``QueueFullError`` (RESOURCE_EXHAUSTED on the wire). An accepted
-  request always ends with a ``finished`` or an ``error`` event, never silently.
+``DecodeScheduler`` admits requests whose state is ready into free slots
+between decode steps, streams each token to its request, frees slots as
+requests finish or are cancelled. A bounded wait queue stands in front of the
+pool; beyond it ``submit`` raises ``QueueFullError`` (RESOURCE_EXHAUSTED on the
+wire). An accepted request always ends with a ``finished`` or an ``error``
+event, never silently.
+
+First token early (``provide_first_token(..., early=True)``): a remote
+request's first token was sampled by the prefill side from its own state, so
+it is streamed as soon as it is handed over, before the state lands; the
+request then takes a slot, and token 2 onwards, only once the state arrived
+(through the handoff probe check). If the state never passes, the request ends
+with an error after token 1 and no token 2 is ever streamed.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import logging
 import queue
 import threading
@@ -22,10 +27,9 @@ import time
 from typing import Callable
 
 import grpc
-import numpy as np
 
-from paas_jax.serving.engine import (DecodeEngine, EngineError, InvalidRequestError,
-                                     PrefillEngine, PrefillInput, PrefillOutput, RequestParams)
+from paas_jax.serving.decode_engine import DecodeEngine
+from paas_jax.serving.validation import EngineError, InvalidRequestError, RequestParams
 from paas_jax.state import DecodeState
 
 log = logging.getLogger(__name__)
@@ -35,235 +39,29 @@ class QueueFullError(EngineError):
   """The decode pool and its wait queue are full."""
 
 
-# -- prefill batching ------------------------------------------------------------------
+class EventKind(enum.StrEnum):
+  """What an ``Event`` tells a request's stream."""
 
-@dataclasses.dataclass(eq=False)
-class PrefillJob:
-  """A prompt waiting for a prefill batch.
+  SLOT = "slot"          # state restored into a slot (``info``: slot, queue/prefill times)
+  TOKENS = "tokens"      # ``tokens`` (and their ``logprobs``) were sampled
+  FINISHED = "finished"  # ended normally (``reason``: stop_token, max_tokens, ...)
+  ERROR = "error"        # ended with gRPC status ``code`` (``reason``: the message)
 
-  Callbacks run on the batcher thread: ``on_start()`` right before the batch
-  computes (may raise to drop the job, e.g. a refused transfer), ``on_layer(i,
-  cache)`` for each layer of the last chunk (this request's rows only, numpy),
-  ``on_chunk(i, cache, start, end, row)`` for each layer of **every** chunk as
-  soon as it is computed (batched device cache, this request in ``row``, its
-  tokens ``[start, end)``; ``chunk_stream.ChunkStreamer.put``), ``on_done(output)``
-  or ``on_error(exc)`` once. ``resume = (n, state)``: continue the prompt from a
-  committed batch-1 state of its first ``n`` tokens (``PrefillEngine.prefill``);
-  such a job is prefilled on its own.
-  """
-
-  input: PrefillInput
-  on_done: Callable[[PrefillOutput], None]
-  on_error: Callable[[BaseException], None]
-  on_start: Callable[[], None] | None = None
-  on_layer: Callable[[int, object], None] | None = None
-  on_chunk: Callable[[int, object, int, int, int], None] | None = None
-  resume: tuple | None = None
-  submitted: float = dataclasses.field(default_factory=time.perf_counter)
-  cancelled: bool = False
-  started: float | None = None
-
-
-class PrefillBatcher:
-  """Gathers jobs for up to ``batch_window_s`` after the first one arrives."""
-
-  def __init__(self, engine: PrefillEngine, batch_window_s: float = 0.005,
-               name: str = "prefill"):
-    self.engine = engine
-    self.batch_window_s = batch_window_s
-    self._queue: collections.deque[PrefillJob] = collections.deque()
-    self._cv = threading.Condition()
-    self._stop = False
-    self.batches = 0
-    self.prompts = 0
-    self.tokens = 0
-    self.busy_s = 0.0
-    self._thread = threading.Thread(target=self._loop, name=f"{name}-batcher", daemon=True)
-    self._thread.start()
-
-  @property
-  def queue_depth(self) -> int:
-    with self._cv:
-      return len(self._queue)
-
-  def submit(self, job: PrefillJob) -> None:
-    with self._cv:
-      if self._stop:
-        raise EngineError("prefill batcher stopped")
-      self._queue.append(job)
-      self._cv.notify_all()
-
-  def drain(self) -> list[PrefillJob]:
-    """Takes every job still waiting for a batch out of the queue (the batch
-    running now goes on); the caller ends them (a preemption)."""
-    with self._cv:
-      pending = [j for j in self._queue if not j.cancelled]
-      self._queue.clear()
-    return pending
-
-  def stop(self) -> None:
-    with self._cv:
-      self._stop = True
-      pending = list(self._queue)
-      self._queue.clear()
-      self._cv.notify_all()
-    for job in pending:
-      job.on_error(EngineError("server shutting down"))
-    self._thread.join(timeout=10)
-
-  def _take_batch(self) -> list[PrefillJob]:
-    max_batch = self.engine.config.prefill_max_batch
-    with self._cv:
-      while not self._queue and not self._stop:
-        self._cv.wait()
-      if self._stop:
-        return []
-      deadline = time.monotonic() + self.batch_window_s
-      while len(self._queue) < max_batch and not self._stop:
-        left = deadline - time.monotonic()
-        if left <= 0:
-          break
-        self._cv.wait(left)
-      batch = []
-      while self._queue and len(batch) < max_batch:
-        job = self._queue.popleft()
-        if not job.cancelled:
-          batch.append(job)
-      return batch
-
-  def _loop(self) -> None:
-    while True:
-      batch = self._take_batch()
-      if not batch:
-        with self._cv:
-          if self._stop:
-            return
-        continue
-      if getattr(self.engine, "prefix_cache", None) is not None:
-        self._run_cached(batch)
-        continue
-      alone = [j for j in batch if j.resume is not None]
-      if alone:
-        self._run_cached(alone)
-        batch = [j for j in batch if j.resume is None]
-        if not batch:
-          continue
-      started = []
-      for job in batch:
-        try:
-          if job.on_start is not None:
-            job.on_start()
-          started.append(job)
-        except BaseException as e:  # pylint: disable=broad-except
-          job.on_error(e)
-      if not started:
-        continue
-      t0 = time.perf_counter()
-      for job in started:
-        job.started = t0
-      try:
-        outputs = self.engine.prefill([j.input for j in started],
-                                      layer_sink=self._sink(started),
-                                      chunk_sink=self._chunk_sink(started))
-      except BaseException as e:  # pylint: disable=broad-except
-        log.exception("prefill batch failed")
-        for job in started:
-          job.on_error(e)
-        continue
-      self.busy_s += time.perf_counter() - t0
-      self.batches += 1
-      self.prompts += len(started)
-      self.tokens += sum(o.prompt_len for o in outputs)
-      for job, out in zip(started, outputs):
-        try:
-          job.on_done(out)
-        except BaseException:  # pylint: disable=broad-except
-          log.exception("prefill on_done callback failed")
-
-  def _run_cached(self, batch: list[PrefillJob]) -> None:
-    """With a prefix cache the engine prefills one prompt at a time, so each job
-    starts (``on_start``: e.g. opens its transfer) right before its own prefill.
-    Resumed jobs run this way too."""
-    for job in batch:
-      if job.cancelled:
-        continue
-      try:
-        if job.on_start is not None:
-          job.on_start()
-      except BaseException as e:  # pylint: disable=broad-except
-        job.on_error(e)
-        continue
-      t0 = time.perf_counter()
-      job.started = t0
-      try:
-        out = self.engine.prefill([job.input], layer_sink=self._sink([job]),
-                                  chunk_sink=self._chunk_sink([job]), resume=job.resume)[0]
-      except BaseException as e:  # pylint: disable=broad-except
-        log.exception("cached prefill failed")
-        job.on_error(e)
-        continue
-      self.busy_s += time.perf_counter() - t0
-      self.batches += 1
-      self.prompts += 1
-      self.tokens += out.prompt_len
-      try:
-        job.on_done(out)
-      except BaseException:  # pylint: disable=broad-except
-        log.exception("prefill on_done callback failed")
-
-  @staticmethod
-  def _chunk_sink(jobs: list[PrefillJob]):
-    if not any(j.on_chunk is not None for j in jobs):
-      return None
-
-    def sink(layer_idx, cache, start, n_valid):
-      for row, job in enumerate(jobs):
-        n = int(n_valid[row])
-        if job.on_chunk is None or job.cancelled or n <= 0:
-          continue
-        try:
-          job.on_chunk(layer_idx, cache, start, start + n, row)
-        except BaseException as e:  # pylint: disable=broad-except
-          # The job's stream failed; it reports the error itself at on_done.
-          log.warning("chunk [%d, %d) layer %d of %s not streamed: %r", start, start + n,
-                      layer_idx, job.input.request_id, e)
-          job.on_chunk = None
-    return sink
-
-  @staticmethod
-  def _sink(jobs: list[PrefillJob]):
-    if not any(j.on_layer is not None for j in jobs):
-      return None
-
-    def sink(layer_idx, cache):
-      import jax  # pylint: disable=g-import-not-at-top
-      host = jax.tree_util.tree_map(np.asarray, cache)
-      for row, job in enumerate(jobs):
-        if job.on_layer is None or job.cancelled:
-          continue
-        try:
-          job.on_layer(layer_idx, jax.tree_util.tree_map(lambda x, r=row: x[r:r + 1], host))
-        except BaseException as e:  # pylint: disable=broad-except
-          # The job's transfer failed; it reports the error itself at on_done.
-          log.warning("layer %d of %s not sent: %r", layer_idx, job.input.request_id, e)
-          job.on_layer = None
-    return sink
-
-
-# -- decode scheduling -----------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-  """What the scheduler tells a request's stream.
+  """What the scheduler tells a request's stream. ``logprobs``: one
+  ``TokenLogprob`` per token when the request asked for them, else empty."""
 
-  kind: "accepted" | "slot" | "tokens" | "finished" | "error".
-  """
-
-  kind: str
+  kind: EventKind
   tokens: tuple[int, ...] = ()
+  logprobs: tuple = ()
   reason: str = ""
   code: grpc.StatusCode | None = None
   info: dict = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    object.__setattr__(self, "kind", EventKind(self.kind))  # a misspelt kind raises
 
 
 @dataclasses.dataclass(eq=False)
@@ -279,6 +77,8 @@ class DecodeJob:
   created: float = dataclasses.field(default_factory=time.perf_counter)
   state: DecodeState | None = None
   first_token: int | None = None
+  first_logprob: object | None = None  # logprobs.TokenLogprob of first_token
+  first_sent: bool = False  # the first token was streamed early (before the state)
   slot: int | None = None
   generated: int = 0
   done: bool = False
@@ -288,6 +88,13 @@ class DecodeJob:
   @property
   def total_tokens(self) -> int:
     return self.prompt_len + self.params.max_new_tokens
+
+  @property
+  def first_logprob_ok(self) -> bool:
+    """The first token carries the logprobs the request asked for (if any)."""
+    want = self.params.logprobs
+    return want < 0 or (self.first_logprob is not None
+                        and len(self.first_logprob.top_ids) == want)
 
   @property
   def ready(self) -> bool:
@@ -354,6 +161,7 @@ class DecodeScheduler:
         job.state = orphan.get("state", job.state)
         if orphan.get("first_token") is not None:
           job.first_token = orphan["first_token"]
+          job.first_logprob = orphan.get("first_logprob")
         job.info.update(orphan.get("info", {}))
       self.counters["accepted"] += 1
       position = len(self._waiting) - 1
@@ -366,10 +174,22 @@ class DecodeScheduler:
     """A transferred state arrived; False if its request is gone (the state is dropped)."""
     return self._provide(request_id, state=state, info=info or {})
 
-  def provide_first_token(self, request_id: str, token: int) -> bool:
-    return self._provide(request_id, first_token=int(token), info={})
+  def provide_first_token(self, request_id: str, token: int, logprob=None,
+                          early: bool = False) -> bool:
+    """The first token (and its ``TokenLogprob`` when the request asked) arrived.
+    ``early``: stream it now (module docstring) if the request is registered and
+    it was not sent yet."""
+    return self._provide(request_id, first_token=int(token), info={}, first_logprob=logprob,
+                         early=early)
 
-  def _provide(self, request_id: str, *, info: dict, state=None, first_token=None) -> bool:
+  def wanted_logprobs(self, request_id: str) -> int | None:
+    """The registered request's ``RequestParams.logprobs``; None if not registered."""
+    with self._cv:
+      job = self._jobs.get(request_id)
+      return None if job is None else job.params.logprobs
+
+  def _provide(self, request_id: str, *, info: dict, state=None, first_token=None,
+               first_logprob=None, early: bool = False) -> bool:
     with self._cv:
       if request_id in self._gone:
         return False
@@ -380,12 +200,21 @@ class DecodeScheduler:
           orphan["state"] = state
         if first_token is not None:
           orphan["first_token"] = first_token
+          orphan["first_logprob"] = first_logprob
         orphan.setdefault("info", {}).update(info)
         return True
       if state is not None:
         job.state = state
       if first_token is not None:
         job.first_token = first_token
+        job.first_logprob = first_logprob
+        if (early and job.remote and not job.first_sent and job.slot is None
+            and job.first_logprob_ok):  # else _start fails the request
+          job.first_sent = True
+          job.events.put(Event(EventKind.TOKENS, tokens=(first_token,), logprobs=(
+              (first_logprob,) if job.params.logprobs >= 0 else ())))
+          self.counters["tokens"] += 1
+          self.counters["first_tokens_early"] += 1
       job.info.update(info)
       self._cv.notify_all()
       return True
@@ -395,7 +224,7 @@ class DecodeScheduler:
     job.info.update(prefill_s=output.prefill_s, prefill_batch_size=output.batch_size,
                     prefill_cached_tokens=getattr(output, "cached_tokens", 0))
     self._provide(job.request_id, state=output.state, first_token=output.first_token,
-                  info={})
+                  info={}, first_logprob=getattr(output, "first_logprob", None))
 
   def fail(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
     """Ends a request with an error (e.g. its transfer failed)."""
@@ -406,7 +235,7 @@ class DecodeScheduler:
         return
       job.cancelled = True  # the loop frees its slot, if any
       self._cv.notify_all()
-    job.events.put(Event("error", code=code, reason=message))
+    job.events.put(Event(EventKind.ERROR, code=code, reason=message))
     self.counters["failed"] += 1
 
   def cancel(self, request_id: str) -> None:
@@ -432,7 +261,7 @@ class DecodeScheduler:
     self._thread.join(timeout=10)
     for job in jobs:
       if not job.done:
-        job.events.put(Event("error", code=grpc.StatusCode.UNAVAILABLE,
+        job.events.put(Event(EventKind.ERROR, code=grpc.StatusCode.UNAVAILABLE,
                              reason="decode server shutting down"))
 
   # -- introspection --------------------------------------------------------------
@@ -450,11 +279,13 @@ class DecodeScheduler:
           "orphans": len(self._orphans),
           "max_queue": self.max_queue,
           "steps": self.counters["steps"],
+          "device_calls": self.counters["device_calls"],
           "tokens_generated": self.counters["tokens"],
           "accepted": self.counters["accepted"],
           "finished": self.counters["finished"],
           "cancelled": self.counters["cancelled"],
           "failed": self.counters["failed"],
+          "first_tokens_early": self.counters["first_tokens_early"],
           "rejected_queue_full": self.counters["rejected_queue_full"],
           "mean_step_ms": 1e3 * self.step_s_total / max(self.counters["steps"], 1),
           "mean_batch": self.busy_slot_steps / max(self.counters["steps"], 1),
@@ -469,7 +300,7 @@ class DecodeScheduler:
 
   def _finish(self, job: DecodeJob, reason: str) -> None:
     job.done = True
-    job.events.put(Event("finished", reason=reason))
+    job.events.put(Event(EventKind.FINISHED, reason=reason))
     self.counters["finished"] += 1
 
   def _forget(self, job: DecodeJob) -> None:
@@ -525,20 +356,50 @@ class DecodeScheduler:
       if not active:
         continue
       t0 = time.perf_counter()
-      tokens = self.engine.generate()
+      steps = self._window(active)
+      if steps > 1:
+        rows, logprobs = self.engine.generate_steps(steps), {}
+      else:
+        rows = self.engine.generate()[None]
+        # Log-probabilities only for the slots that asked (no work otherwise).
+        logprobs = self.engine.step_logprobs(
+            {slot: job.params.logprobs for slot, job in active.items()
+             if job.params.logprobs >= 0 and not (job.cancelled or job.done)})
       self.step_s_total += time.perf_counter() - t0
-      self.counters["steps"] += 1
-      self.busy_slot_steps += len(active)
-      for slot, job in active.items():
-        if job.cancelled or job.done:
-          continue
-        self._emit(job, slot, int(tokens[slot]))
+      self.counters["steps"] += steps
+      self.counters["device_calls"] += 1
+      self.busy_slot_steps += steps * len(active)
+      for tokens in rows:
+        for slot, job in active.items():
+          if job.cancelled or job.done:
+            continue  # tokens a window sampled past a request's end are dropped
+          self._emit(job, slot, int(tokens[slot]), logprobs.get(slot))
+
+  def _window(self, active: dict[int, DecodeJob]) -> int:
+    """Decode steps of the next device call: ``decode_steps_per_sync`` bounded by
+    the tokens every active request may still produce, rounded down to a power
+    of two; 1 while a ready request waits for a free slot (it is admitted
+    between calls) or an active request asks for logprobs."""
+    cap = self.engine.config.decode_steps_per_sync
+    if cap <= 1:
+      return 1
+    live = [j for j in active.values() if not (j.cancelled or j.done)]
+    if not live or any(j.params.logprobs >= 0 for j in live):
+      return 1
+    with self._cv:
+      if self.engine.free_slots and any(j.ready and not j.cancelled for j in self._waiting):
+        return 1
+    room = min(cap, *(j.params.max_new_tokens - j.generated for j in live))
+    return 1 << (max(room, 1).bit_length() - 1)
 
   def _start(self, job: DecodeJob, slot: int) -> None:
     """Inserts a ready job into its reserved slot and emits its first token."""
     queue_s = time.perf_counter() - job.created
     first = int(job.first_token)
     try:
+      if not job.first_logprob_ok:
+        raise EngineError("the first token arrived without the logprobs the request asked "
+                          f"for (top {job.params.logprobs})")
       needs_slot = not (job.params.max_new_tokens <= 1 or first in job.params.stop_tokens)
       if needs_slot:
         self.engine.insert(job.state, slot, first, job.params)
@@ -547,16 +408,18 @@ class DecodeScheduler:
       self.engine.free(slot)
       with self._cv:
         self._forget(job)
-      job.events.put(Event("error", code=grpc.StatusCode.INTERNAL,
+      job.events.put(Event(EventKind.ERROR, code=grpc.StatusCode.INTERNAL,
                            reason=f"inserting the state into the decode pool failed: {e}"))
       self.counters["failed"] += 1
       return
     job.state = None  # the pool holds it now
     job.slot = slot
     job.generated = 1
-    job.events.put(Event("slot", info={"slot": slot, "queue_s": queue_s, **job.info}))
-    job.events.put(Event("tokens", tokens=(first,)))
-    self.counters["tokens"] += 1
+    job.events.put(Event(EventKind.SLOT, info={"slot": slot, "queue_s": queue_s, **job.info}))
+    if not job.first_sent:  # else streamed already, at the handoff
+      job.events.put(Event(EventKind.TOKENS, tokens=(first,), logprobs=(
+          (job.first_logprob,) if job.params.logprobs >= 0 else ())))
+      self.counters["tokens"] += 1
     if not needs_slot:
       self.engine.free(slot)
       with self._cv:
@@ -570,10 +433,11 @@ class DecodeScheduler:
         return
       self._active[slot] = job
 
-  def _emit(self, job: DecodeJob, slot: int, token: int) -> None:
+  def _emit(self, job: DecodeJob, slot: int, token: int, logprob=None) -> None:
     job.generated += 1
     self.counters["tokens"] += 1
-    job.events.put(Event("tokens", tokens=(token,)))
+    job.events.put(Event(EventKind.TOKENS, tokens=(token,),
+                         logprobs=(logprob,) if logprob is not None else ()))
     reason = None
     if token in job.params.stop_tokens:
       reason = "stop_token"

@@ -1,0 +1,116 @@
+"""Command lines of a deployment's processes, from a ``ClusterSpec`` (pure).
+
+``LocalCluster`` (child processes) and ``RayCluster`` (Ray actors) start the
+same command lines; only the hosts differ. Region A is one prefill server;
+each decode region (B, C, ...) has its PD nodes, a WAN relay when its link is
+emulated, and its own broker, which asks region A for prefill as tenant
+``B``, ``C``, ... when one region-A pool serves several decode regions.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from paas_jax.netem.link import LinkSpec
+
+
+def link_bps(link: LinkSpec | None) -> float:
+  """The link capacity a broker's router assumes (no emulation: 10 Gbps)."""
+  if link is None or not 0 < link.bandwidth_bps < float("inf"):
+    return 10e9
+  return float(link.bandwidth_bps)
+
+
+def server_args(spec, host: str) -> list[str]:
+  """Flags both the prefill and the decode servers take."""
+  args = [f"--config={spec.config}", f"--seed={spec.seed}", f"--host={host}", "--port=0",
+          f"--max_ctx={spec.max_ctx}", f"--prefill_max_batch={spec.prefill_max_batch}",
+          f"--prefill_buckets={','.join(str(b) for b in spec.prefill_buckets)}",
+          f"--batch_window_ms={spec.batch_window_ms}", f"--log_level={spec.log_level}",
+          f"--prefix_block={spec.prefix_block}", f"--logit_probe={spec.logit_probe}"]
+  if spec.checkpoint:
+    args.append(f"--checkpoint={spec.checkpoint}")
+  if spec.dtype:
+    args.append(f"--dtype={spec.dtype}")
+  if spec.tp != 1:
+    args.append(f"--tp={spec.tp}")
+  if spec.compilation_cache is not None:
+    args.append(f"--compilation_cache={spec.compilation_cache}")
+  return args
+
+
+def prefill_args(spec, host: str) -> list[str]:
+  """Region A's prefill server (without the security/metrics flags)."""
+  module = "pod_prefill_server" if spec.prefill_pod > 1 else "prefill_server"
+  args = ["-m", f"paas_jax.serving.{module}", *server_args(spec, host),
+          f"--codec_compression={spec.codec_compression}",
+          f"--transfer_streams={spec.transfer_streams}",
+          f"--transfer_plane={'grpc' if spec.flaky_wan else spec.transfer_plane}",
+          f"--transfer_lanes={spec.transfer_lanes}",
+          # Imports PD-P's prefixes (cross-cluster prefix cache); explicit so
+          # that a restart keeps the port the relay forwards to.
+          "--transfer_port=0"]
+  if spec.decode_regions > 1:  # a shared pool: how the tenants share it
+    args += [f"--tenant_sharing={spec.tenant_sharing}",
+             f"--tenant_weights={spec.tenant_weights}",
+             f"--tenant_quota={spec.tenant_quota}"]
+  if spec.prefill_faults:
+    args.append(f"--faults={spec.prefill_faults}")
+  if spec.prefill_pod > 1:  # region A as a pod of processes (pod_prefill_server)
+    args += [f"--pod_processes={spec.prefill_pod}",
+             f"--pod_devices={spec.prefill_pod_devices}"]
+    if spec.prefill_pod_fault:
+      args.append(f"--pod_fault={spec.prefill_pod_fault}")
+  return args + list(spec.prefill_args)
+
+
+def decode_args(spec, host: str, data_plane_host: str | None) -> list[str]:
+  """A PD node (decode server). ``data_plane_host``: bind the data plane there
+  (a relay takes the announced port on the address region A dials)."""
+  args = ["-m", "paas_jax.serving.decode_server", *server_args(spec, host),
+          "--transfer_port=0", f"--n_slots={spec.n_slots}", f"--page_size={spec.page_size}",
+          f"--num_pages={spec.num_pages}", f"--max_queue={spec.max_queue}",
+          f"--transfer_plane={spec.transfer_plane}"]
+  if spec.decode_faults:
+    args.append(f"--faults={spec.decode_faults}")
+  if data_plane_host:
+    args.append(f"--data_plane_host={data_plane_host}")
+  return args + list(spec.decode_args)
+
+
+def relay_args(link: LinkSpec, stats_file, routes: Sequence[str]) -> list[str]:
+  """The WAN relay of one decode region's link (``routes``: its --route values)."""
+  bw = link.bandwidth_bps if link.bandwidth_bps < float("inf") else 0
+  args = ["-m", "paas_jax.netem", f"--bandwidth={bw}", f"--rtt_ms={link.rtt_s * 1e3}",
+          f"--jitter_ms={link.jitter_s * 1e3}", f"--shape_bandwidth={link.shape_bandwidth}",
+          f"--seed={link.seed}", f"--stats_file={stats_file}",
+          *[f"--route={r}" for r in routes]]
+  if link.trace is not None:
+    trace = ",".join(f"{t}:{r}" for t, r in link.trace.points)
+    if link.trace.loop:
+      trace += f",period={link.trace.period}"
+    args.append(f"--trace={trace}")
+  return args
+
+
+def broker_args(spec, *, host: str, link: LinkSpec | None, prefill_target: str,
+                prefix_target: str, pd_control: Sequence[str], pd_wan: Sequence[str],
+                pd_local: Sequence[str], tenant: str) -> list[str]:
+  """One decode region's broker (without the security/metrics flags)."""
+  args = ["-m", "paas_jax.serving.broker", f"--config={'' if spec.checkpoint else spec.config}",
+          "--port=0", f"--host={host}",
+          f"--prefill={prefill_target}", f"--prefill_transfer={prefix_target}",
+          f"--decode={','.join(pd_control)}", f"--decode_transfer={','.join(pd_wan)}",
+          f"--decode_local_transfer={','.join(pd_local)}",
+          f"--pd_prefill_nodes={spec.pd_prefill_nodes}",
+          f"--rebalance_apply={spec.rebalance_apply}", f"--threshold={spec.threshold}",
+          f"--log_level={spec.log_level}", f"--router={spec.router}",
+          f"--n_slots={spec.n_slots}", f"--rebalance_every_s={spec.rebalance_every_s}",
+          f"--link_bandwidth_bps={link_bps(link)}"]
+  if tenant:
+    args.append(f"--tenant={tenant}")
+  if spec.checkpoint:  # its tokenizer, chat template, EOS ids and name
+    args.append(f"--checkpoint={spec.checkpoint}")
+  if spec.served_model_name:
+    args.append(f"--served_model_name={spec.served_model_name}")
+  return args

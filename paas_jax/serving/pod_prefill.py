@@ -1,0 +1,394 @@
+"""Serving prefill on a pod: every process of the pod runs each request in lockstep.
+
+Process 0 of the pod fronts the gRPC Prefill service
+(``pod_prefill_server``). Each request becomes a ``PodJob`` that process 0
+publishes in the region's key-value store (``podjob/<n>``); every process --
+process 0 too -- takes jobs in order and runs ``PodPrefillRunner.run``:
+
+  1. the sharded prefill (``pod.region_prefill_logits``, one SPMD program over
+     the pod's mesh; compiled, then started after a coordinator barrier with
+     the region's deadline);
+  2. the first token sampled from the last position's logits exactly as the
+     single-process engine does (``batch_rows.sample_rows``, same seed and
+     position), its ``TokenLogprob`` (process 0) and the handoff logit probe
+     (``pod.region_probe_logits``: one sharded decode step);
+  3. each process encodes only its own shards, the pod merges the partial
+     manifests through the key-value store (deadline-bounded), and each
+     process streams the objects the shard plan routes from it to the decode
+     server (``pod_transfer.send_shards``, transfer ids
+     ``pod:<request>:<process>-><target>``); the decode side
+     (``pod_intake``) restores the state only once every pod process's part
+     arrived and verified;
+  4. each process reports its part (``podjob/<n>/done/<p>``); process 0 ends
+     the RPC with the pod's totals.
+
+A peer that does not report within the region's deadline leaves the pod out
+of lockstep: process 0 fails the request (DEADLINE_EXCEEDED) and marks the
+pod broken, so that its supervisor restarts the pod as a unit. A peer that
+dies is seen by the supervisor first, which stops every process of the pod
+(the broker sees the Prefill stream break: UNAVAILABLE, and re-prefills
+elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from paas_jax.codec.encode import encode_groups
+from paas_jax.codec.options import CodecOptions
+from paas_jax.codec.shard_plan import MeshSpec, check_plan, placement_from_state, plan_transfer
+from paas_jax.scheduling.tenant_queue import DEFAULT_TENANT, TenantPolicy, TenantQueue
+from paas_jax.models.api import SamplingParams
+from paas_jax.serving import pod, pod_transfer
+from paas_jax.serving.batch_rows import sample_rows
+from paas_jax.serving.token_logprob_ops import rows_logprobs
+from paas_jax.serving.validation import RequestParams
+from paas_jax.state import logit_probe
+from paas_jax.transport.errors import TransferError
+from paas_jax.transport.sender import SenderOptions
+
+log = logging.getLogger("paas_jax.serving.pod_prefill")
+
+FAULT_EXIT = 75  # a pod process that a fault plan killed (as pod_worker's)
+_IDLE_POLL_MS = 5_000
+
+
+@dataclasses.dataclass(frozen=True)
+class PodJob:
+  """One request as every pod process sees it (JSON through the key-value store).
+
+  ``logprobs``: ``RequestParams.logprobs`` (-1: none). ``codec_json``: the
+  broker's ``CodecOptions`` ("" = the server's).
+  """
+
+  number: int
+  request_id: str
+  prompt: tuple[int, ...]
+  decode_target: str
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  logprobs: int = -1
+  codec_json: str = ""
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self))
+
+  @classmethod
+  def from_json(cls, data: str) -> "PodJob":
+    d = json.loads(data)
+    d["prompt"] = tuple(int(t) for t in d["prompt"])
+    return cls(**d)
+
+  @property
+  def params(self) -> RequestParams:
+    return RequestParams(sampling=SamplingParams(self.temperature, self.top_k, self.top_p),
+                         seed=self.seed, max_new_tokens=1, logprobs=self.logprobs)
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstOut:
+  """What process 0 reports as soon as the prefill is done (``FirstToken``)."""
+
+  token: int
+  logprob: object | None         # TokenLogprob or None
+  probe: logit_probe.LogitProbe | None
+  prefill_s: float               # the sharded prefill and the sampling
+  probe_s: float = 0.0           # the probe's sharded decode step
+
+
+def _fault(plan: dict | None, process_id: int, at: str, job: int) -> None:
+  if (plan and plan.get("process") == process_id and plan.get("at") == at
+      and plan.get("job", 1) == job):
+    log.error("fault plan: pod process %d exits at %s", process_id, at)
+    sys.stdout.flush()
+    os._exit(FAULT_EXIT)  # a lost machine: no cleanup, no goodbye to the coordinator
+
+
+class PodPrefillRunner:
+  """One pod process's side of every job (see the module docstring).
+
+  Args:
+    model: the model placed on ``mesh`` (``pod.shard_model``).
+    mesh: the pod's mesh (``pod.region_mesh``).
+    region: this process's ``pod.RegionSpec``.
+    sender_options: how this process's shards are sent.
+    codec: default ``CodecOptions``.
+    logit_probe: compute the handoff probe.
+    fault: ``{"process": p, "at": "prefill"|"transfer", "job": n}``: process
+      p exits with ``FAULT_EXIT`` in the middle of job n (default 1): before
+      its part of the prefill program (the others wait in a collective), or
+      after the manifests are merged, before it sends its shards (tests, demo).
+  """
+
+  def __init__(self, model, mesh, region: pod.RegionSpec, *,
+               sender_options: SenderOptions = SenderOptions(),
+               codec: CodecOptions = CodecOptions(), logit_probe: bool = True,
+               fault: dict | None = None):
+    self.model = model
+    self.config = model.config
+    self.mesh = mesh
+    self.region = region
+    self.barrier = pod.Barrier(region)
+    self.sender_options = sender_options
+    self.codec = codec
+    self.logit_probe = logit_probe
+    self.fault = fault
+    # A single-device decode process (Q = 1): what the plan routes to.
+    self.target = pod.state_placement(self.config, MeshSpec(("tp",), (1,), (0,)))
+
+  def warmup(self, prompt_lengths: Sequence[int] = (16,)) -> float:
+    """Compiles the prefill and probe programs for prompts of these lengths (all
+    processes together; one prefill program per ``api.prefill_bucket``)."""
+    t0 = time.perf_counter()
+    for n in prompt_lengths:
+      _, state = pod.region_prefill_logits(self.model, self.mesh, [1] * n, self.barrier)
+      if self.logit_probe:
+        pod.region_probe_logits(self.model, self.mesh, state, 1,
+                                logit_probe.probe_capacity(n), self.barrier)
+    return time.perf_counter() - t0
+
+  def run(self, job: PodJob, on_first: Callable[[FirstOut], None] | None = None) -> dict:
+    """Runs ``job`` on this process; returns this process's report (JSON-able)."""
+    pid = self.region.process_id
+    t0 = time.perf_counter()
+    _fault(self.fault, pid, "prefill", job.number)
+    logits, state = pod.region_prefill_logits(self.model, self.mesh, job.prompt, self.barrier)
+    params = job.params
+    row = jnp.asarray(logits[None])
+    first = int(sample_rows(row, [params], [len(job.prompt)])[0])
+    lp = None
+    if pid == 0 and params.logprobs >= 0:
+      lp = rows_logprobs(row, [first], [0], [params.logprobs])[0]
+    jax.block_until_ready(state)
+    prefill_s = time.perf_counter() - t0
+    probe = None
+    if self.logit_probe:
+      plogits = pod.region_probe_logits(self.model, self.mesh, state, first,
+                                        logit_probe.probe_capacity(len(job.prompt)),
+                                        self.barrier)
+      probe = logit_probe.fingerprint(plogits, first, self.config.dtype)
+    probe_s = time.perf_counter() - t0 - prefill_s
+    if on_first is not None:
+      on_first(FirstOut(first, lp, probe, prefill_s, probe_s))
+
+    t1 = time.perf_counter()
+    codec = CodecOptions.from_json(job.codec_json) if job.codec_json else self.codec
+    groups = list(encode_groups(state, options=codec, token_count=len(job.prompt)))
+    mine = pod_transfer.partial_manifest(
+        groups, model_id=self.config.name, config_fingerprint=self.config.fingerprint(),
+        token_count=len(job.prompt), batch=1, options=codec)
+    if self.region.num_processes > 1:
+      merged = pod_transfer.exchange_manifests(
+          mine, key=f"podjob/{job.number}/manifest", process_id=pid,
+          num_processes=self.region.num_processes, timeout_s=self.region.timeout_s,
+          kv=pod.kv_client())
+    else:
+      merged = mine
+    source = placement_from_state(state)
+    manifest = dataclasses.replace(merged, placements={"source": source.to_dict(),
+                                                       "target": self.target.to_dict()})
+    plan = plan_transfer(manifest, source, self.target)
+    check_plan(plan, manifest)
+    _fault(self.fault, pid, "transfer", job.number)
+    try:
+      sent = pod_transfer.send_shards(
+          groups, plan, pod_transfer.Envelope(manifest, first, self.region.num_processes),
+          source=pid, targets=[job.decode_target], request_id=job.request_id,
+          model_id=self.config.name, config_fingerprint=self.config.fingerprint(),
+          options=self.sender_options)
+    except TransferError as e:  # The pod stays in lockstep: only this request fails.
+      return {"ok": False, "process": pid, "code": e.code.name,
+              "error": f"state transfer to {job.decode_target} failed: {e.message}"}
+    return {"ok": True, "process": pid, "first_token": first, "prefill_s": prefill_s,
+            "probe_s": probe_s,
+            "transfer_s": time.perf_counter() - t1, "state_bytes": manifest.nbytes,
+            "wire_bytes": sum(s.wire_bytes for s in sent),
+            "planned_bytes": sum(s.planned_bytes for s in sent),
+            "objects": sum(len(s.keys) for s in sent)}
+
+
+def _job_key(n: int) -> str:
+  return f"podjob/{n}"
+
+
+def _done_key(n: int, p: int) -> str:
+  return f"podjob/{n}/done/{p}"
+
+
+def _is_deadline(e: Exception) -> bool:
+  return "DEADLINE_EXCEEDED" in str(e) or "deadline" in str(e).lower()
+
+
+def follow_jobs(runner: PodPrefillRunner, kv=None) -> None:
+  """Pod processes 1..P-1: run every job process 0 publishes, in order, for
+  ever. A broken key-value store (the coordinator is gone) raises."""
+  kv = kv or pod.kv_client()
+  n = 1
+  while True:
+    try:
+      data = kv.blocking_key_value_get(_job_key(n), _IDLE_POLL_MS)
+    except Exception as e:  # pylint: disable=broad-except
+      if _is_deadline(e):
+        continue  # idle
+      raise
+    job = PodJob.from_json(data)
+    try:
+      report = runner.run(job)
+    except Exception as e:
+      # Out of lockstep: report, then exit so that the pod restarts as a unit.
+      log.exception("pod job %d (%s) failed", n, job.request_id)
+      kv.key_value_set(_done_key(n, runner.region.process_id), json.dumps(
+          {"ok": False, "process": runner.region.process_id, "code": "UNAVAILABLE",
+           "error": repr(e)}))
+      raise
+    kv.key_value_set(_done_key(n, runner.region.process_id), json.dumps(report))
+    n += 1
+
+
+@dataclasses.dataclass
+class _Waiting:
+  fields: dict
+  events: queue.Queue
+  cancelled: threading.Event | None
+  tenant: str
+
+
+class PodLeader:
+  """Process 0: takes requests one at a time, publishes each as a job, runs
+  its own part and gathers the others' reports. Waiting requests are served
+  by ``tenants`` (a ``TenantPolicy``: weighted fair queueing over prompt
+  tokens between the decode regions, quotas; None: arrival order), as region
+  A's single-process batcher does.
+
+  ``submit(fields, events)`` queues a request; ``events`` (a ``queue.Queue``)
+  then gets ``("first", FirstOut)``, and ``("done", totals)`` or
+  ``("error", grpc code name, message)``. ``on_broken`` is called once the pod
+  lost lockstep (a peer missed its deadline): its supervisor must restart it.
+  """
+
+  def __init__(self, runner: PodPrefillRunner, *, kv=None, on_broken: Callable | None = None,
+               tenants: TenantPolicy | None = None):
+    self.runner = runner
+    self.kv = kv if kv is not None else (pod.kv_client()
+                                         if runner.region.num_processes > 1 else None)
+    self.on_broken = on_broken
+    self.broken = False
+    self._queue: TenantQueue[_Waiting] = TenantQueue(
+        tenants or TenantPolicy(fair=False), tenant_of=lambda w: w.tenant,
+        cost_of=lambda w: len(w.fields["prompt"]))
+    self._cv = threading.Condition()
+    self._n = 0
+    self.jobs_done = 0
+    self.jobs_failed = 0
+    self.jobs_skipped = 0
+    self._thread = threading.Thread(target=self._loop, name="pod-leader", daemon=True)
+    self._thread.start()
+
+  @property
+  def queue_depth(self) -> int:
+    with self._cv:
+      return len(self._queue)
+
+  def admits(self, tenant: str) -> bool:
+    """False once ``tenant`` has its quota of requests waiting."""
+    with self._cv:
+      return self._queue.admits(tenant)
+
+  def tenant_depths(self) -> dict[str, int]:
+    with self._cv:
+      return self._queue.depths()
+
+  def tenant_served_tokens(self) -> dict[str, float]:
+    with self._cv:
+      return dict(self._queue.served_cost)
+
+  def submit(self, fields: dict, events: queue.Queue,
+             cancelled: threading.Event | None = None, tenant: str = DEFAULT_TENANT) -> None:
+    """Queues a request; once ``cancelled`` is set (its RPC ended) before the
+    job started, the pod skips it (a started job runs to its end: lockstep)."""
+    with self._cv:
+      self._queue.push(_Waiting(fields, events, cancelled, tenant))
+      self._cv.notify()
+
+  def _next(self) -> _Waiting:
+    with self._cv:
+      while not len(self._queue):
+        self._cv.wait()
+      return self._queue.pop()
+
+  def _loop(self) -> None:
+    while True:
+      waiting = self._next()
+      fields, events, cancelled = waiting.fields, waiting.events, waiting.cancelled
+      if cancelled is not None and cancelled.is_set():
+        self.jobs_skipped += 1
+        continue
+      if self.broken:
+        events.put(("error", "UNAVAILABLE", "the prefill pod is restarting"))
+        continue
+      self._n += 1
+      job = PodJob(number=self._n, **fields)
+      try:
+        self._run(job, events)
+      except Exception as e:  # pylint: disable=broad-except
+        # The peers may wait in a collective this process never reached: the
+        # pod is out of lockstep and restarts as a unit.
+        log.exception("pod job %s failed", job.request_id)
+        self.jobs_failed += 1
+        self._break()
+        events.put(("error", "UNAVAILABLE", f"pod prefill failed, the pod restarts: {e!r}"))
+
+  def _run(self, job: PodJob, events: queue.Queue) -> None:
+    region = self.runner.region
+    if self.kv is not None:
+      self.kv.key_value_set(_job_key(job.number), job.to_json())
+    mine = self.runner.run(job, on_first=lambda out: events.put(("first", out)))
+    reports = [mine]
+    deadline = time.monotonic() + region.timeout_s
+    for p in range(1, region.num_processes):
+      left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+      try:
+        reports.append(json.loads(self.kv.blocking_key_value_get(_done_key(job.number, p),
+                                                                 left_ms)))
+      except Exception as e:  # pylint: disable=broad-except
+        self._break()
+        events.put(("error", "DEADLINE_EXCEEDED" if _is_deadline(e) else "UNAVAILABLE",
+                    f"pod process {p} did not report request {job.request_id} within "
+                    f"{region.timeout_s:.0f}s: {e}"))
+        return
+    if self.kv is not None:
+      # Every process is past job n: its keys (job, manifests, reports) go, so
+      # the coordinator's store does not grow with the requests served.
+      self.kv.key_value_delete(_job_key(job.number))
+    failed = [r for r in reports if not r.get("ok")]
+    if failed:
+      self.jobs_failed += 1
+      events.put(("error", failed[0].get("code", "INTERNAL"),
+                  f"pod process {failed[0]['process']} failed request {job.request_id}: "
+                  f"{failed[0].get('error')}"))
+      return
+    self.jobs_done += 1
+    events.put(("done", {
+        "state_bytes": mine["state_bytes"],
+        "bytes_sent": sum(r["wire_bytes"] for r in reports),
+        "transfer_s": max(r["transfer_s"] for r in reports),
+        "per_process_bytes": [r["wire_bytes"] for r in reports],
+        "per_process_objects": [r["objects"] for r in reports]}))
+
+  def _break(self) -> None:
+    self.broken = True
+    if self.on_broken is not None:
+      self.on_broken()

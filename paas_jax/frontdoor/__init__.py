@@ -8,6 +8,7 @@ away cancels its gRPC call and the broker frees the decode slot.
 
   protocol.py      request parsing, response and OpenAI error bodies (pure)
   tokenization.py  chat templates, stop strings
+  logprob_format.py  OpenAI's logprobs objects from the broker's TokenLogprob
   backend.py       async gRPC client of the broker, with deadlines
   app.py           routes, auth, metrics, streaming
   server.py        the process: flags, TLS, bearer tokens, ready file

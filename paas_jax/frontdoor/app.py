@@ -29,9 +29,11 @@ import uuid
 import grpc
 import prometheus_client as prom
 from aiohttp import web
+from google.protobuf import json_format
 
 from paas_jax.frontdoor import protocol
 from paas_jax.frontdoor.backend import BrokerBackend, ModelInfo
+from paas_jax.frontdoor.logprob_format import LogprobFormatter
 from paas_jax.frontdoor.protocol import APIError, GenerationRequest
 from paas_jax.frontdoor.tokenization import ChatTemplate, StopStrings, TemplateError
 
@@ -206,11 +208,13 @@ class Gateway:
       return await self._stream(request, req, rid, first, messages, stops, summary, endpoint)
     tokens: list[int] = []
     text: list[str] = []
+    lps: list = []
     reason = ""
     msg = first
     try:
       while msg is not None:
         tokens.extend(msg.token_ids)
+        lps.extend(msg.logprobs)
         piece, stopped = stops.feed(msg.text)
         text.append(piece)
         if msg.HasField("summary"):
@@ -231,8 +235,9 @@ class Gateway:
     prompt_tokens = int(summary.get("prompt_tokens", 0))
     self._count(summary, prompt_tokens, len(tokens))
     self.metrics.requests.labels(endpoint, "200").inc()
-    body = protocol.completion_body(req, rid, "".join(text), tokens, reason, prompt_tokens,
-                                    summary)
+    body = protocol.completion_body(
+        req, rid, "".join(text), tokens, reason, prompt_tokens, summary,
+        LogprobFormatter(req.chat).format(lps) if req.logprobs >= 0 else None)
     return web.json_response(body, headers=protocol.headers(summary))
 
   async def _stream(self, request, req, rid, first, messages, stops, summary,
@@ -246,6 +251,7 @@ class Gateway:
     reason = None
     msg = first
     is_first = True
+    lp_format = LogprobFormatter(req.chat) if req.logprobs >= 0 else None
     try:
       while msg is not None:
         n_tokens += len(msg.token_ids)
@@ -260,7 +266,8 @@ class Gateway:
         if piece or msg.token_ids or is_first:
           await resp.write(protocol.sse(protocol.stream_chunk(
               req, rid, created, text=piece, token_ids=list(msg.token_ids), reason=None,
-              first=is_first)))
+              first=is_first, logprobs=(lp_format.format(msg.logprobs)
+                                        if lp_format is not None and msg.token_ids else None))))
           is_first = False
         if reason is not None:
           break
@@ -296,7 +303,6 @@ class Gateway:
 def _summary(msg) -> dict:
   if not msg.HasField("summary"):
     return {}
-  from google.protobuf import json_format  # pylint: disable=g-import-not-at-top
   return json_format.MessageToDict(msg.summary, preserving_proto_field_name=True,
                                    always_print_fields_with_no_presence=True)
 

@@ -11,7 +11,6 @@ any state transfer.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,7 +27,7 @@ _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
 
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
-  """What the broker serves (its GetStats ``json``).
+  """What the broker serves (its typed ``GetModel`` answer, ``ServedModel``).
 
   ``name``: the served model name clients must send; ``max_model_len``:
   context (prompt + output) per request; ``tokenizer``: "checkpoint",
@@ -43,13 +42,10 @@ class ModelInfo:
   special: dict
 
   @classmethod
-  def from_stats(cls, stats: dict, name_override: str = "") -> "ModelInfo":
-    served = stats.get("served_model") or {}
-    return cls(name=name_override or served.get("name") or stats.get("model", ""),
-               max_model_len=int(served.get("max_model_len", 0)),
-               tokenizer=served.get("tokenizer", "byte"),
-               chat_template=served.get("chat_template") or None,
-               special=dict(served.get("special_tokens") or {}))
+  def from_served(cls, served: serving_pb2.ServedModel, name_override: str = "") -> "ModelInfo":
+    return cls(name=name_override or served.name, max_model_len=int(served.max_model_len),
+               tokenizer=served.tokenizer, chat_template=served.chat_template or None,
+               special=dict(served.special_tokens))
 
 
 def generate_request(req: GenerationRequest, request_id: str) -> serving_pb2.GenerateRequest:
@@ -66,6 +62,8 @@ def generate_request(req: GenerationRequest, request_id: str) -> serving_pb2.Gen
     msg.ignore_eos = req.ignore_eos
   if "prompt_has_special_tokens" in fields:
     msg.prompt_has_special_tokens = req.chat
+  if req.logprobs >= 0:
+    msg.logprobs, msg.top_logprobs = True, req.logprobs
   return msg
 
 
@@ -76,7 +74,7 @@ class BrokerBackend:
     target: the broker's host:port.
     credentials: TLS channel credentials (None: plaintext).
     timeout_s: deadline of a whole generation.
-    token: the gateway's own bearer token, for its GetStats calls (the model
+    token: the gateway's own bearer token, for its GetModel calls (the model
       list); generation calls carry the HTTP caller's token instead.
   """
 
@@ -98,9 +96,9 @@ class BrokerBackend:
     return (("authorization", f"Bearer {token}"),) if token else None
 
   async def model_info(self, name_override: str = "") -> ModelInfo:
-    r = await self.stub.GetStats(serving_pb2.StatsRequest(), timeout=CONTROL_TIMEOUT_S,
-                                 metadata=self._metadata(self.token))
-    return ModelInfo.from_stats(json.loads(r.json or "{}"), name_override)
+    served = await self.stub.GetModel(serving_pb2.ModelRequest(), timeout=CONTROL_TIMEOUT_S,
+                                      metadata=self._metadata(self.token))
+    return ModelInfo.from_served(served, name_override)
 
   async def healthy(self) -> bool:
     try:

@@ -13,11 +13,17 @@ when set to something this server cannot honour, ignored when harmless):
   completions       model, prompt (text | token ids | a one-element list of
                     either), max_tokens, temperature, top_p, top_k, seed, stop
                     (string | list of <= 4 strings), n=1, stream,
-                    stream_options.include_usage, user;
+                    stream_options.include_usage, user, logprobs (0..20: the
+                    sampled token's log-probability and that many top
+                    alternatives per token);
                     extensions (as vLLM): stop_token_ids, ignore_eos, route
                     ("auto" | "local" | "remote").
-  chat/completions  the same with messages instead of prompt, and
-                    max_completion_tokens as an alias of max_tokens.
+  chat/completions  the same with messages instead of prompt,
+                    max_completion_tokens as an alias of max_tokens, and
+                    logprobs (bool) + top_logprobs (0..20) instead of logprobs.
+
+Logprobs come in OpenAI's shapes (``logprob_format``), streamed or not: the
+model's log_softmax before temperature/top-k/top-p (``serving/logprobs.py``).
 
 Response extension: ``paas_jax`` on the completion object (and on the final
 streamed chunk) holds the route the request took, where it was prefilled and
@@ -35,10 +41,11 @@ from typing import Any
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
+MAX_TOP_LOGPROBS = 20  # = paas_jax.serving.logprobs.MAX_TOP_LOGPROBS
 ROUTES = ("auto", "local", "remote")
 # Fields OpenAI defines that change the answer and that this server does not
 # implement: refused instead of silently ignored.
-_UNSUPPORTED_IF_SET = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools",
+_UNSUPPORTED_IF_SET = ("echo", "best_of", "suffix", "tools",
                        "tool_choice", "functions", "function_call", "response_format",
                        "logit_bias", "presence_penalty", "frequency_penalty")
 # gRPC status name -> (HTTP status, OpenAI error type).
@@ -106,6 +113,8 @@ class GenerationRequest:
   include_usage: bool
   route: str
   chat: bool
+  # Top alternatives per token (0..MAX_TOP_LOGPROBS) or -1: no logprobs.
+  logprobs: int = -1
 
 
 # -- field readers (each names the field in its error) ---------------------------------
@@ -143,7 +152,7 @@ def _stop(body: dict) -> tuple[str, ...]:
   return tuple(stops)
 
 
-def _common(body: dict, served_model: str) -> dict:
+def _common(body: dict, served_model: str, chat: bool = False) -> dict:
   if not isinstance(body, dict):
     raise bad("the request body must be a JSON object")
   model = body.get("model")
@@ -180,6 +189,7 @@ def _common(body: dict, served_model: str) -> dict:
     raise bad("'ignore_eos' must be a boolean", "ignore_eos")
   seed = _number(body, "seed", 0, integer=True)
   return dict(
+      logprobs=_logprobs(body, chat),
       model=model, max_tokens=max_tokens,
       # OpenAI's default temperature is 1 (sampling); 0 = greedy.
       temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -188,6 +198,25 @@ def _common(body: dict, served_model: str) -> dict:
       seed=seed & 0x7FFFFFFFFFFFFFFF, stop=_stop(body),
       stop_token_ids=_token_ids(stop_ids, "stop_token_ids"), ignore_eos=ignore_eos,
       stream=stream, include_usage=bool(options.get("include_usage", False)), route=route)
+
+
+def _logprobs(body: dict, chat: bool) -> int:
+  """The top count asked for (-1: none). Completions: ``logprobs`` an integer
+  0..20; chat: ``logprobs`` a boolean, ``top_logprobs`` 0..20 (which needs
+  ``logprobs: true``, as OpenAI)."""
+  if not chat:
+    if body.get("top_logprobs") is not None:
+      raise bad("'top_logprobs' is a chat field; completions take 'logprobs' (0-"
+                f"{MAX_TOP_LOGPROBS})", "top_logprobs")
+    top = _number(body, "logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+    return -1 if top is None else top
+  on = body.get("logprobs")
+  if on is not None and not isinstance(on, bool):
+    raise bad("'logprobs' must be a boolean", "logprobs")
+  top = _number(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+  if top is not None and not on:
+    raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+  return (top or 0) if on else -1
 
 
 def parse_json(raw: bytes) -> Any:
@@ -220,7 +249,7 @@ def parse_completion(body: dict, served_model: str) -> GenerationRequest:
 def parse_chat(body: dict, served_model: str) -> tuple[dict, list[dict]]:
   """``POST /v1/chat/completions``: (fields, messages); the caller renders the
   messages with the chat template (tokenization.ChatTemplate)."""
-  fields = _common(body, served_model)
+  fields = _common(body, served_model, chat=True)
   messages = body.get("messages")
   if not isinstance(messages, list) or not messages:
     raise bad("'messages' must be a non-empty list", "messages")
@@ -282,14 +311,17 @@ def headers(summary: dict) -> dict[str, str]:
 
 
 def completion_body(req: GenerationRequest, rid: str, text: str, token_ids: list[int],
-                    reason: str, prompt_tokens: int, summary: dict) -> dict:
+                    reason: str, prompt_tokens: int, summary: dict,
+                    logprobs: dict | None = None) -> dict:
+  """``logprobs``: the choice's ``logprobs`` object (``logprob_format``), None
+  when the request did not ask."""
   created = int(time.time())
   if req.chat:
     choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "finish_reason": reason, "logprobs": None}
+              "finish_reason": reason, "logprobs": logprobs}
     obj = "chat.completion"
   else:
-    choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
     obj = "text_completion"
   choice["token_ids"] = token_ids  # extension (vLLM's return_token_ids)
   return {"id": rid, "object": obj, "created": created, "model": req.model,
@@ -298,15 +330,17 @@ def completion_body(req: GenerationRequest, rid: str, text: str, token_ids: list
 
 
 def stream_chunk(req: GenerationRequest, rid: str, created: int, *, text: str | None,
-                 token_ids: list[int], reason: str | None, first: bool = False) -> dict:
+                 token_ids: list[int], reason: str | None, first: bool = False,
+                 logprobs: dict | None = None) -> dict:
+  """``logprobs``: this chunk's tokens' ``logprobs`` object (or None)."""
   if req.chat:
     delta: dict = {"role": "assistant"} if first else {}
     if text is not None:
       delta["content"] = text
-    choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+    choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
     obj = "chat.completion.chunk"
   else:
-    choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+    choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
     obj = "text_completion"
   choice["token_ids"] = token_ids
   return {"id": rid, "object": obj, "created": created, "model": req.model,

@@ -46,7 +46,7 @@ def define_flags() -> None:
   flags.DEFINE_float("timeout_s", 600.0, "Deadline of one generation at the broker.")
   flags.DEFINE_float("wait_s", 300.0, "How long to wait for the broker at start.")
   flags.DEFINE_string("api_token_file", None, "The gateway's own bearer token (default "
-                      "$PAAS_JAX_API_TOKEN), for its GetStats call to a broker with tokens.")
+                      "$PAAS_JAX_API_TOKEN), for its GetModel call to a broker with tokens.")
   flags.DEFINE_string("ready_file", None, "Write port/pid as JSON here once serving.")
   flags.DEFINE_string("log_level", "INFO", "Logging level.")
   # --tls_dir/--tls_name/--tls_cert/--tls_key/--tls_ca, --insecure, --api_tokens_file.

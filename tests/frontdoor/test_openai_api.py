@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from paas_jax.frontdoor.tokenization import ChatTemplate
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
-from paas_jax.serving.launch import spawn, wait_ready
+from paas_jax.serving.child_process import spawn, wait_ready
 
 from tests.frontdoor.conftest import CONFIG, LONG, MAX_CTX, SHORT
 

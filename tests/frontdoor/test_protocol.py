@@ -40,7 +40,9 @@ def test_parse_completion_fields():
     ({"model": MODEL, "prompt": "a", "top_p": -0.1}, 400, "top_p"),
     ({"model": MODEL, "prompt": "a", "stop": ["1", "2", "3", "4", "5"]}, 400, "stop"),
     ({"model": MODEL, "prompt": "a", "stop": [""]}, 400, "stop"),
-    ({"model": MODEL, "prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "a", "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "a", "top_logprobs": 2}, 400, "top_logprobs"),
     ({"model": MODEL, "prompt": "a", "route": "moon"}, 400, "route"),
     ({"model": MODEL, "prompt": "a", "stream": "yes"}, 400, "stream"),
 ])

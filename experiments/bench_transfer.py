@@ -428,6 +428,10 @@ def main(argv):
                  if "fixed_cost" in v else ""))
       print(f"  raw TCP rtt {r['raw_tcp_rtt_s'] * 1e6:.0f} us; tcp plane vs gRPC path "
             f"x{r['tcp_vs_grpc_path']:.2f}")
+      for label, cost in r["fixed_cost"].items():
+        print(f"  fixed cost ({label}, {cost['state_bytes']} B, target "
+              f"{cost['target_s'] * 1e3:.2f} ms): " + ", ".join(
+                  f"{name} {v['median_s'] * 1e3:.2f} ms" for name, v in cost["rows"].items()))
     return
   with tqdm(total=5 * len(models), desc="bench_transfer") as progress:
     for name, n in zip(models, tokens):

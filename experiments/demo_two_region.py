@@ -18,12 +18,9 @@ prompt, sampling settings and seed, and prints and writes a report.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
 import pathlib
-import signal
 import sys
 import threading
 import time
@@ -34,9 +31,14 @@ from absl import app, flags
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from experiments.demo_workload import (PAPER_T, compute_reference, inject_fault,  # noqa: E402
+                                       link_report, make_workload, run_workload,
+                                       server_stats, summarize)
 from paas_jax.netem import (BandwidthTrace, LinkSpec, describe,  # noqa: E402
                             netns_available, parse_rate)
 from paas_jax.serving.launch import ClusterSpec, LocalCluster  # noqa: E402
+from paas_jax.serving import tenant_report  # noqa: E402
+from paas_jax.serving.ray_launch import RayCluster, RayPlacement  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "tiny_gdn_gqa", "Model config (random init, shared seed).")
@@ -87,15 +89,35 @@ flags.DEFINE_integer("prefix_block", 64, "Hybrid prefix cache block (tokens) in 
 flags.DEFINE_integer("shared_prefix_tokens", 0, "Shared-prefix workload: every prompt starts "
                      "with the same N tokens (a system prompt), then its own tokens.")
 
+flags.DEFINE_enum("launcher", "local", ["local", "ray"],
+                  "local: child processes of this one; ray: Ray actors (serving/ray_launch.py), "
+                  "region A on a node with the custom resource region_a, region B (PD nodes, "
+                  "relay, broker) on a region_b node.")
+flags.DEFINE_string("ray_address", None, "With --launcher=ray: join this Ray cluster ('auto' or "
+                    "host:port); unset: start a local one-node Ray with both region resources.")
+flags.DEFINE_integer("decode_regions", 1, "Decode regions served by the one region-A prefill "
+                     "pool (B, C, ...): each its own PD nodes, link, relay and broker; request i "
+                     "goes to region i mod N. Prefill as a shared service.")
+flags.DEFINE_list("region_links", ["25mbit/40"], "Links of regions C, D, ... as rate/rtt_ms "
+                  "(region B's: --bandwidth/--rtt_ms/--trace); the last one repeats.")
+flags.DEFINE_enum("tenant_sharing", "wfq", ["wfq", "fifo"], "How the decode regions share "
+                  "region A: weighted fair queueing over prompt tokens, or arrival order.")
+flags.DEFINE_string("tenant_weights", "", "Region weights for wfq, e.g. 'B=2,C=1'.")
+flags.DEFINE_integer("prefill_pod", 1, "Region A as a pod of this many processes (TP over all; "
+                     "serving/pod_prefill_server.py). --fault=kill_pod_process: pod process 1 "
+                     "dies mid-prefill of the pod's 2nd request; the pod restarts as a unit.")
+POD_FAULTS = ("kill_pod_process",)
 flags.DEFINE_bool("tls", True, "Mutual TLS between broker and regions and TLS + a bearer "
                   "token at the broker (a local CA and token in <workdir>/certs); --notls "
                   "runs every process with an explicit --insecure.")
 flags.DEFINE_enum("fault", "none", ["none", "kill_prefill", "preempt_prefill", "kill_decode",
-                                    "drop_link", "stall_link", "corrupt_chunks", "corrupt_state"],
+                                    "drop_link", "stall_link", "corrupt_chunks", "corrupt_state",
+                                    "kill_pod_process"],
                   "Inject a fault: kill_prefill: region A exits right after the first partial "
                   "commit point of a streamed prompt (the broker resumes the request from it "
                   "on region B; restarted after --fault_duration_s); preempt_prefill: SIGTERM "
-                  "region A at --fault_at_s with a 0.5 s grace period (it stops taking work, "
+                  "region A once, from --fault_at_s on, a prompt is mid-stream (the broker saw a "
+                  "partial commit point), with a 0.5 s grace period (it stops taking work, "
                   "commits what it can and hands in-flight requests to resume; restarted "
                   "after --fault_duration_s); kill_decode: SIGKILL region B at --fault_at_s (its "
                   "requests fail with UNAVAILABLE; restarted after --fault_duration_s); "
@@ -111,189 +133,6 @@ flags.DEFINE_float("fault_at_s", 1.0, "When kill_decode / drop_link / stall_link
                    "(seconds after the first request).")
 flags.DEFINE_float("fault_duration_s", 3.0, "Outage length, or how long a killed server "
                    "stays down.")
-
-PAPER_LO, PAPER_HI, PAPER_T = 128.0, 128.0 * 1024, 19.4 * 1024
-
-
-@dataclasses.dataclass
-class Req:
-  index: int
-  prompt: list[int]
-  temperature: float
-  top_k: int
-  top_p: float
-  seed: int
-  arrival_s: float
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  ttft_s: float = 0.0
-  tpot_s: float = 0.0
-  total_s: float = 0.0
-  summary: dict = dataclasses.field(default_factory=dict)
-  error: str = ""
-  reference: list[int] | None = None
-
-
-def make_workload(config, n: int, max_new: int, context: int, seed: int):
-  """Prompts whose lengths follow the paper's truncated log-normal, scaled so
-  that the paper's 128K maximum becomes ``context - max_new``."""
-  from paas_jax.scheduling import TruncatedLogNormal  # pylint: disable=g-import-not-at-top
-  hi = context - max_new
-  scale = hi / PAPER_HI
-  dist = TruncatedLogNormal(FLAGS.length_mu + math.log(scale), FLAGS.length_sigma,
-                            max(1.0, PAPER_LO * scale), float(hi))
-  rng = np.random.default_rng(seed)
-  lengths = np.clip(np.round(dist.sample(rng, n)), 1, hi).astype(int)
-  arrivals = np.cumsum(rng.exponential(1.0 / FLAGS.rate, n))
-  arrivals -= arrivals[0]
-  shared = min(max(FLAGS.shared_prefix_tokens, 0), hi - 1)
-  prefix = rng.integers(0, config.vocab_size, shared).tolist() if shared else []
-  reqs = []
-  for i, length in enumerate(lengths):
-    greedy = i % 2 == 0
-    own = max(1, min(int(length), hi - shared))
-    reqs.append(Req(index=i,
-                    prompt=prefix + rng.integers(0, config.vocab_size, own).tolist(),
-                    temperature=0.0 if greedy else 0.8, top_k=0 if greedy else 40,
-                    top_p=1.0 if greedy else 0.95, seed=int(rng.integers(0, 2**31 - 1)),
-                    arrival_s=float(arrivals[i])))
-  return reqs, dist, scale
-
-
-def run_workload(address: str, reqs: list[Req], max_new: int, bar, credentials=None) -> float:
-  from paas_jax.client import BrokerClient, GenerationError  # pylint: disable=g-import-not-at-top
-  client = BrokerClient(address, timeout_s=300, credentials=credentials)
-  lock = threading.Lock()
-
-  def one(r: Req):
-    try:
-      out = client.generate(prompt_ids=r.prompt, max_new_tokens=max_new,
-                            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                            seed=r.seed, request_id=f"demo-{r.index:03d}")
-      r.tokens, r.ttft_s, r.tpot_s, r.total_s = out.tokens, out.ttft_s, out.tpot_s, out.total_s
-      r.summary = out.summary
-    except GenerationError as e:
-      r.error = str(e)
-    with lock:
-      if bar is not None:
-        bar.update(1)
-        bar.set_postfix_str(f"last: {r.summary.get('route', 'error')} "
-                            f"ttft {r.ttft_s * 1e3:.0f} ms")
-
-  t0 = time.perf_counter()
-  threads = []
-  for r in reqs:
-    delay = r.arrival_s - (time.perf_counter() - t0)
-    if delay > 0:
-      time.sleep(delay)
-    t = threading.Thread(target=one, args=(r,), daemon=True)
-    t.start()
-    threads.append(t)
-  for t in threads:
-    t.join()
-  wall = time.perf_counter() - t0
-  client.close()
-  return wall
-
-
-def inject_fault(cluster, log: list[str]) -> None:
-  """Runs --fault against the running cluster (on its own thread)."""
-  fault, at, down = FLAGS.fault, FLAGS.fault_at_s, FLAGS.fault_duration_s
-  t0 = time.perf_counter()
-
-  def note(text):
-    log.append(f"{time.perf_counter() - t0:6.2f} s: {text}")
-
-  if fault == "kill_prefill":
-    # The prefill server kills itself after the first partial commit point.
-    code = cluster.procs["prefill"].popen.wait()
-    note(f"region A (prefill) died after a commit point, exit status {code}")
-    time.sleep(down)
-    cluster.restart("prefill", drop_prefix="--faults")
-    note("region A restarted on its old port (rejoins through health checks)")
-  elif fault == "preempt_prefill":
-    time.sleep(at)
-    cluster.procs["prefill"].popen.send_signal(signal.SIGTERM)
-    note("preemption notice (SIGTERM) to region A, grace 0.5 s")
-    code = cluster.procs["prefill"].popen.wait()
-    note(f"region A (prefill) handed its in-flight requests over and exited ({code})")
-    time.sleep(down)
-    cluster.restart("prefill", drop_prefix="--faults")
-    note("region A restarted on its old port (rejoins through health checks)")
-  elif fault == "kill_decode":
-    time.sleep(at)
-    note(f"SIGKILL region B (decode): exit status {cluster.kill('decode')}")
-    time.sleep(down)
-    cluster.restart("decode")
-    note("region B restarted on its old ports")
-  elif fault in ("drop_link", "stall_link"):
-    from paas_jax.security.faults import FlakyLink  # pylint: disable=g-import-not-at-top
-    time.sleep(at)
-    cluster.wan.outage(down, FlakyLink.CUT if fault == "drop_link" else FlakyLink.BLACKHOLE)
-    note(f"WAN link {'reset' if fault == 'drop_link' else 'stalled'} for {down:g} s")
-
-
-def compute_reference(reqs: list[Req], max_new: int, bar) -> None:
-  from paas_jax.models import api  # pylint: disable=g-import-not-at-top
-  from paas_jax.serving import common  # pylint: disable=g-import-not-at-top
-  common.enable_compilation_cache(FLAGS.compilation_cache or common.default_compilation_cache())
-  model, _ = common.load_model(FLAGS.config, FLAGS.seed, FLAGS.checkpoint, FLAGS.dtype or None)
-  stops = ()
-  if FLAGS.checkpoint:  # the broker stops at the checkpoint's EOS ids, so does the reference
-    from paas_jax.serving.tokenizer import checkpoint_text  # pylint: disable=g-import-not-at-top
-    stops = checkpoint_text(FLAGS.checkpoint).eos_token_ids
-  for r in reqs:
-    r.reference = api.generate(model, r.prompt, max_new,
-                               sampling=api.SamplingParams(r.temperature, r.top_k, r.top_p),
-                               seed=r.seed, stop_tokens=stops).tokens
-    if bar is not None:
-      bar.update(1)
-
-
-def _stats(xs):
-  xs = [x for x in xs if x is not None]
-  if not xs:
-    return None
-  a = np.asarray(xs, float)
-  return {"n": len(xs), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
-          "p90": float(np.percentile(a, 90)), "max": float(a.max())}
-
-
-def link_report(stats: dict | None, spec: LinkSpec) -> dict:
-  if not stats:
-    return {}
-  out = {"spec": describe(spec)}
-  for name in ("a_to_b", "b_to_a"):
-    d = stats.get(name, {})
-    out[name] = {k: d.get(k) for k in ("bytes", "busy_s", "active_span_s", "utilization",
-                                       "mean_rate_bps")}
-  d = stats.get("a_to_b", {})
-  bucket = d.get("timeline_bucket_s", 0.1)
-  timeline = {int(k): v for k, v in d.get("timeline_bytes", {}).items()}
-  if timeline:
-    trace = spec.effective_trace
-    per_s = {}
-    for b, v in timeline.items():
-      per_s.setdefault(int(b * bucket), 0)
-      per_s[int(b * bucket)] += v
-    out["a_to_b_per_second"] = [
-        {"t_s": t, "bytes": v,
-         "capacity_bytes": None if trace is None else trace.rate_at(t) / 8.0,
-         "utilization": None if trace is None else v / max(trace.rate_at(t) / 8.0, 1e-9)}
-        for t, v in sorted(per_s.items())]
-  return out
-
-
-def _server_stats(cluster, name: str, stub_name: str) -> dict:
-  import grpc  # pylint: disable=g-import-not-at-top
-  from paas_jax.proto import serving_pb2, serving_pb2_grpc  # pylint: disable=g-import-not-at-top
-  try:
-    # As the broker: with TLS, only the broker's certificate may call the regions.
-    with cluster.channel(name, as_role="broker") as ch:
-      stub = getattr(serving_pb2_grpc, stub_name)(ch)
-      return dict(stub.GetStats(serving_pb2.StatsRequest(), timeout=10).gauges)
-  except grpc.RpcError as e:
-    return {"error": str(e.code())}
-
 
 def main(argv):
   del argv
@@ -316,7 +155,14 @@ def main(argv):
   max_new = FLAGS.max_new_tokens
   if not 0 < max_new < context:
     raise app.UsageError(f"--max_new_tokens must be in (0, {context})")
-  reqs, dist, scale = make_workload(config, FLAGS.num_requests, max_new, context, FLAGS.seed)
+  reqs, dist, scale = make_workload(
+      config, FLAGS.num_requests, max_new, context, FLAGS.seed, rate=FLAGS.rate,
+      length_mu=FLAGS.length_mu, length_sigma=FLAGS.length_sigma,
+      shared_prefix_tokens=FLAGS.shared_prefix_tokens)
+  if not 1 <= FLAGS.decode_regions <= 8:
+    raise app.UsageError("--decode_regions must be in [1, 8]")
+  for r in reqs:  # request i -> region i mod N (B, C, ...)
+    r.region = chr(ord("b") + r.index % FLAGS.decode_regions)
   threshold = FLAGS.threshold if FLAGS.threshold >= 0 else round(PAPER_T * scale)
   trace = BandwidthTrace.parse(FLAGS.trace) if FLAGS.trace else None
   link = LinkSpec(bandwidth_bps=parse_rate(FLAGS.bandwidth), rtt_s=FLAGS.rtt_ms / 1e3,
@@ -332,7 +178,19 @@ def main(argv):
     elif netem == "auto":
       netem = "netns"
   buckets = tuple(int(b) for b in FLAGS.prefill_buckets)
+  if (FLAGS.fault in POD_FAULTS) != (FLAGS.prefill_pod > 1) and FLAGS.fault in (
+      "kill_prefill", "preempt_prefill", "corrupt_chunks", "kill_pod_process"):
+    raise app.UsageError(f"--fault={FLAGS.fault} needs --prefill_pod "
+                         + ("> 1" if FLAGS.fault in POD_FAULTS else "= 1 (chunk streaming)"))
+  region_links = [link]
+  for i in range(1, FLAGS.decode_regions):
+    rate, _, rtt = FLAGS.region_links[min(i, len(FLAGS.region_links)) - 1].partition("/")
+    region_links.append(LinkSpec(bandwidth_bps=parse_rate(rate),
+                                 rtt_s=float(rtt or FLAGS.rtt_ms) / 1e3,
+                                 jitter_s=FLAGS.jitter_ms / 1e3, seed=FLAGS.seed + i))
   spec = ClusterSpec(config=FLAGS.config, seed=FLAGS.seed, n_slots=FLAGS.n_slots,
+                     decode_regions=FLAGS.decode_regions, region_links=tuple(region_links),
+                     tenant_sharing=FLAGS.tenant_sharing, tenant_weights=FLAGS.tenant_weights,
                      max_ctx=context, max_queue=FLAGS.max_queue, prefill_buckets=buckets,
                      threshold=threshold, link=link, netem=netem,
                      codec_compression=FLAGS.codec, router=FLAGS.router,
@@ -340,7 +198,7 @@ def main(argv):
                      prefix_block=FLAGS.prefix_block, rebalance_every_s=2.0,
                      compilation_cache=FLAGS.compilation_cache, tls=FLAGS.tls,
                      prefill_faults={"kill_prefill": "kill_after_commits=1,kill_on_transfer=0",
-                                     "preempt_prefill": "layer_delay_s=0.05",
+                                     "preempt_prefill": "layer_delay_s=0.25",
                                      "corrupt_chunks": "corrupt_chunks=3"}.get(FLAGS.fault, ""),
                      decode_faults=(f"corrupt_states={FLAGS.fault_states}"
                                     if FLAGS.fault == "corrupt_state" else ""),
@@ -351,7 +209,9 @@ def main(argv):
                      flaky_wan=FLAGS.fault in ("drop_link", "stall_link"),
                      pd_nodes=FLAGS.pd_nodes, rebalance_apply=FLAGS.rebalance_apply,
                      checkpoint=FLAGS.checkpoint, dtype=FLAGS.dtype,
-                     http=FLAGS.http_port >= 0, http_port=max(FLAGS.http_port, 0))
+                     http=FLAGS.http_port >= 0, http_port=max(FLAGS.http_port, 0),
+                     prefill_pod=FLAGS.prefill_pod, prefill_pod_fault=(
+                         "1:prefill:2" if FLAGS.fault == "kill_pod_process" else ""))
   lengths = [len(r.prompt) for r in reqs]
   print(f"model      : {config.name} ("
         + (f"checkpoint {FLAGS.checkpoint}" if FLAGS.checkpoint else f"random init, seed "
@@ -365,14 +225,26 @@ def main(argv):
         f"cache block {FLAGS.prefix_block or 'off'}, shared prefix "
         f"{FLAGS.shared_prefix_tokens} tokens")
   print(f"link A<->B : {describe(link)} via {netem}")
+  for i, region_link in enumerate(region_links[1:], 1):
+    print(f"link A<->{chr(ord('B') + i)} : {describe(region_link)} via relay (its own "
+          f"broker and PD nodes; region A shared by {FLAGS.tenant_sharing})")
   print(f"security   : " + ("mutual TLS broker<->regions and A->B, TLS + bearer token at the "
                             "broker" if FLAGS.tls else "PLAINTEXT (--notls)"))
   if FLAGS.fault != "none":
     print(f"fault      : {FLAGS.fault} (at {FLAGS.fault_at_s:g} s, for "
           f"{FLAGS.fault_duration_s:g} s)")
-  print("starting   : region A (prefill), region B (decode + PD-P), WAN relay, broker "
+  pod_note = f" pod of {FLAGS.prefill_pod} processes" if FLAGS.prefill_pod > 1 else ""
+  print(f"starting   : region A (prefill{pod_note}), region B (decode + PD-P), WAN relay, broker "
         "(first run compiles the engines; later runs load them from the cache) ...")
-  cluster = LocalCluster(spec, FLAGS.workdir)
+  if FLAGS.launcher == "ray":
+    if netem == "netns" or FLAGS.fault in ("drop_link", "stall_link"):
+      raise app.UsageError("--launcher=ray runs the userspace relay and no in-process "
+                           "link faults (--netem=relay, no drop_link/stall_link)")
+    cluster = RayCluster(spec, FLAGS.workdir, RayPlacement(address=FLAGS.ray_address))
+    print(f"placement  : Ray ({FLAGS.ray_address or 'local ray.init()'}), region A on a "
+          "region_a node, region B on a region_b node")
+  else:
+    cluster = LocalCluster(spec, FLAGS.workdir)
   bar = tqdm(desc="warm-up", bar_format="{desc}: {elapsed}", leave=False) if progress else None
   try:
     cluster.start(on_tick=(lambda: bar.refresh()) if bar is not None else None)
@@ -389,9 +261,10 @@ def main(argv):
   try:
     bar = tqdm(total=len(reqs), desc="requests", unit="req") if progress else None
     fault_log: list[str] = []
-    faulter = threading.Thread(target=inject_fault, args=(cluster, fault_log), daemon=True)
+    faulter = threading.Thread(target=inject_fault, args=(cluster, fault_log, FLAGS.fault,
+                                                          FLAGS.fault_at_s, FLAGS.fault_duration_s), daemon=True)
     faulter.start()
-    wall = run_workload(cluster.broker_address, reqs, max_new, bar,
+    wall = run_workload(cluster.broker_addresses, reqs, max_new, bar,
                         credentials=cluster.client_credentials())
     if bar is not None:
       bar.close()
@@ -401,25 +274,33 @@ def main(argv):
       time.sleep(2.5)  # one more rebalancer step (every 2 s) sees the whole workload
     with BrokerClient(cluster.broker_address, credentials=cluster.client_credentials()) as c:
       broker_stats = c.stats()
-    decode_stats = _server_stats(cluster, "decode", "DecodeStub")
-    prefill_stats = _server_stats(cluster, "prefill", "PrefillStub")
+    recent_all = []  # every region's broker's records of its requests
+    for address in cluster.broker_addresses.values():
+      with BrokerClient(address, credentials=cluster.client_credentials()) as c:
+        recent_all += c.stats().get("recent", [])
+    decode_stats = server_stats(cluster, "decode", "DecodeStub")
+    prefill_stats = server_stats(cluster, "prefill", "PrefillStub")
   finally:
     cluster.stop()
   relay = cluster.relay_stats()
+  relays = {region: cluster.relay_stats(region) for region in cluster.decode_regions}
 
   if FLAGS.reference:
     bar = tqdm(total=len(reqs), desc="reference", unit="req") if progress else None
-    compute_reference(reqs, max_new, bar)
+    compute_reference(reqs, max_new, bar, config=FLAGS.config, seed=FLAGS.seed,
+                      checkpoint=FLAGS.checkpoint, dtype=FLAGS.dtype or None,
+                      compilation_cache=FLAGS.compilation_cache)
     if bar is not None:
       bar.close()
 
-  recent = {d.get("request_id"): d for d in broker_stats.get("recent", [])}
+  recent = {d.get("request_id"): d for d in recent_all}
   rows = []
   for r in reqs:
     s = r.summary
     rec = recent.get(f"demo-{r.index:03d}", {})
     rows.append({
-        "request": r.index, "prompt_tokens": len(r.prompt), "route": s.get("route", ""),
+        "request": r.index, "region": r.region, "prompt_tokens": len(r.prompt),
+        "route": s.get("route", ""),
         "input_tokens": len(r.prompt), "output_tokens": max(len(r.tokens), 1),
         "arrival_s": r.arrival_s,
         "route_reason": rec.get("route_reason", s.get("route_reason", "")),
@@ -453,10 +334,10 @@ def main(argv):
   for route in ("pdp", "prfaas"):
     sel = [r for r in ok if r["route"] == route]
     by_route[route] = {"requests": len(sel),
-                       "ttft_s": _stats([r["ttft_s"] for r in sel]),
-                       "tpot_s": _stats([r["tpot_s"] for r in sel]),
+                       "ttft_s": summarize([r["ttft_s"] for r in sel]),
+                       "tpot_s": summarize([r["tpot_s"] for r in sel]),
                        "link_bytes": int(sum(r["link_bytes"] for r in sel)),
-                       "goodput_mb_s": _stats([r["goodput_mb_s"] for r in sel
+                       "goodput_mb_s": summarize([r["goodput_mb_s"] for r in sel
                                                if r["goodput_mb_s"] is not None])}
   matches = [r["matches_reference"] for r in rows]
   all_match = bool(FLAGS.reference and all(m is True for m in matches) and
@@ -491,7 +372,7 @@ def main(argv):
       "transferred": {d: {"requests": len(sel),
                           "tokens": int(sum(r["prefix_transfer_tokens"] for r in sel)),
                           "link_bytes": int(sum(r["prefix_transfer_bytes"] for r in sel)),
-                          "seconds": _stats([r["prefix_transfer_s"] for r in sel])}
+                          "seconds": summarize([r["prefix_transfer_s"] for r in sel])}
                       for d in ("prfaas->pdp", "pdp->prfaas")
                       for sel in [[r for r in ok if r["prefix_transfer"] == d
                                    and r["prefix_transfer_tokens"] > 0]]},
@@ -510,10 +391,18 @@ def main(argv):
       "errors": len(rows) - len(ok),
       "workload_wall_s": wall,
       "throughput_tokens_per_s": sum(len(r["tokens"]) for r in ok) / wall if wall else None,
-      "ttft_s": _stats([r["ttft_s"] for r in ok]), "tpot_s": _stats([r["tpot_s"] for r in ok]),
+      "ttft_s": summarize([r["ttft_s"] for r in ok]), "tpot_s": summarize([r["tpot_s"] for r in ok]),
       "routes": by_route,
+      # Prefill as a shared service: per decode region (tenant) TTFT, link bytes,
+      # region A's egress accounting for it, and its relay's bytes.
+      "decode_regions": FLAGS.decode_regions, "tenant_sharing": FLAGS.tenant_sharing,
+      "regions": tenant_report.per_region(rows, prefill_stats, relays),
       "link_utilization": link_report(relay, link),
       "startup_s": cluster.timings, "process_startup_s": startup,
+      # Which machine ran each process (Ray: its node; local: this host).
+      "launcher": FLAGS.launcher,
+      "placement": {name: {k: p.info.get(k) for k in ("node_ip", "node_id", "restarts")
+                           if k in p.info} for name, p in cluster.procs.items()},
       "broker": {k: v for k, v in broker_stats.items() if k not in ("recent", "inflight")},
       "decode_server": decode_stats, "prefill_server": prefill_stats,
       "all_tokens_match_reference": all_match if FLAGS.reference else None,
@@ -603,6 +492,14 @@ def main(argv):
     print(f"logit probe      : {f['probe_checked']} handed-off states checked, "
           f"{f['probe_mismatches']} mismatches caught (DATA_LOSS, re-prefilled locally); "
           f"wrong answers delivered: {f['wrong_answers_delivered']}")
+  if FLAGS.decode_regions > 1:
+    for region, g in report["regions"].items():
+      ttft = g["ttft_s"] or {}
+      print(f"region {g['tenant']}         : {g['requests']} requests "
+            f"({g['prfaas_requests']} via region A), TTFT p90 "
+            f"{ttft.get('p90', 0) * 1e3:.0f} ms; region A egress to it "
+            f"{g['egress_bytes'] / 1024:.1f} KiB in {g['egress_transfers']} transfers, "
+            f"its link carried {g['relay_a_to_b_bytes'] / 1024:.1f} KiB")
   print(f"all_tokens_match_reference: {json.dumps(report['all_tokens_match_reference'])}")
   print(f"report           : {out}  (total {report['total_wall_s']:.1f} s)")
   if FLAGS.fault == "corrupt_state":

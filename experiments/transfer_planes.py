@@ -12,7 +12,10 @@ each receiver in its own process (no shared GIL), one run measures:
 * CPU seconds per GB on each side (process CPU time of the sender and of the
   receiver process, divided by payload GB);
 * fixed cost per transfer on a tiny state (Begin to committed), next to one
-  raw TCP round trip and the receiver's commit check.
+  raw TCP round trip and the receiver's commit check, for the old gRPC path,
+  the data plane with Begin/Commit on gRPC (``plane_control=False``, the
+  previous data plane) and the data plane carrying Begin/Commit itself, rounds
+  interleaved.
 """
 
 from __future__ import annotations
@@ -281,10 +284,19 @@ def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: boo
         plan.append((f"{plane}_{n}_{label}", lambda sender=sender: send(sender), rx))
       rows.update(_measure_interleaved(plan, repeats, payload))
       progress(f"{label} rows done")
+      grpc_control = StateSender(target, options=SenderOptions(
+          plane="tcp", lanes=1, credentials=creds, data_ssl=client_ctx, plane_control=False))
+      closers.append(grpc_control.close)
+      fixed = {"tcp_1_grpc_control": grpc_control, "tcp_1": senders[("tcp", 1)],
+               f"tcp_{lanes}": senders[("tcp", lanes)]}
+      if label == "plain":
+        fixed = {"grpc_path_1": senders[("grpc", 1)], **fixed}
+      out.setdefault("fixed_cost", {})[label] = _fixed_costs(fixed, config, fixed_repeats)
+      progress(f"{label} fixed cost done")
       if label == "plain":
         for plane, n in (("grpc", 1), ("tcp", lanes)):
-          rows[f"{plane}_{n}_plain"]["fixed_cost"] = _fixed_cost(senders[(plane, n)], config,
-                                                                 fixed_repeats)
+          key = "grpc_path_1" if plane == "grpc" else f"tcp_{lanes}"
+          rows[f"{plane}_{n}_plain"]["fixed_cost"] = out["fixed_cost"]["plain"]["rows"][key]
     finally:
       for close in closers:
         close()
@@ -296,27 +308,40 @@ def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: boo
   old = max(rows[f"grpc_{n}_plain"]["goodput_gbps"] for n in {1, streams})
   new = max(rows[f"tcp_{n}_plain"]["goodput_gbps"] for n in {1, lanes})
   out["tcp_vs_grpc_path"] = new / old
+  rtt = out["raw_tcp_rtt_s"]
+  for cost in out["fixed_cost"].values():
+    cost["raw_tcp_rtt_s"] = rtt
+    cost["target_s"] = 3 * rtt + cost["commit_check_s"]
+    for row in cost["rows"].values():
+      row["vs_target"] = row["median_s"] / cost["target_s"]
   return out
 
 
-def _fixed_cost(sender, config, repeats: int) -> dict:
-  """Begin to committed for a tiny state (a few tokens), median of ``repeats``."""
+def _fixed_costs(senders: dict, config, repeats: int) -> dict:
+  """Begin to committed for a tiny state (a few tokens) through each sender,
+  one transfer per sender per round (so that machine load hits all alike),
+  median of ``repeats`` rounds after 3 warm-up rounds."""
   from paas_jax import codec
   from paas_jax.codec.testing import random_state
   state = random_state(config, [4], capacity=4, seed=1)
   groups = list(codec.encode_groups(state))
   nbytes = sum(len(b) for g in groups for b in g.blobs.values())
-  times, checks = [], []
+  times = {name: [] for name in senders}
+  checks = []
   for i in range(repeats + 3):
-    t0 = time.perf_counter()
-    result = _sender_send(sender, groups, model_id=config.name,
-                          fingerprint=config.fingerprint(), num_layers=config.n_layers,
-                          tokens=4)
+    for name, sender in senders.items():
+      t0 = time.perf_counter()
+      result = _sender_send(sender, groups, model_id=config.name,
+                            fingerprint=config.fingerprint(), num_layers=config.n_layers,
+                            tokens=4)
+      if i >= 3:
+        times[name].append(time.perf_counter() - t0)
     if i >= 3:
-      times.append(time.perf_counter() - t0)
       checks.append(_commit_check_s(result))
-  return {"state_bytes": nbytes, "median_s": statistics.median(times),
-          "commit_check_s": statistics.median(checks)}
+  return {"state_bytes": nbytes, "objects": sum(len(g.blobs) for g in groups),
+          "commit_check_s": statistics.median(checks),
+          "rows": {name: {"state_bytes": nbytes, "median_s": statistics.median(t),
+                          "runs_s": t} for name, t in times.items()}}
 
 
 def _commit_check_s(result) -> float:

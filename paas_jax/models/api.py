@@ -23,6 +23,9 @@ from paas_jax.models.config import ModelConfig
 from paas_jax.models.hybrid import HybridLM
 from paas_jax.models.layers import MoE
 from paas_jax.models.moe_dispatch import DISPATCH_MODES
+# The sampler lives in sampler.py; api.sample_tokens & co. stay its public names.
+from paas_jax.models.sampler import (sample_tokens, sample_tokens_sorted, sampling_key,
+                                     sampling_keys)
 from paas_jax.models.sampling_params import SamplingParams
 from paas_jax.state import (DecodeState, HybridPrefixCache, LayerCache, init_state,
                             round_up)
@@ -373,64 +376,6 @@ class LayerwisePrefill:
 
 
 # -- sampling ---------------------------------------------------------------------
-
-def sampling_key(seed: int, position: int) -> jax.Array:
-  """The PRNG key for the token at ``position`` of a request seeded with ``seed``.
-
-  Keyed by absolute position, so a request samples the same tokens whether it
-  was prefilled locally or remotely and whatever batch it decodes in.
-  """
-  return jax.random.fold_in(jax.random.key(seed), position)
-
-
-@jax.jit
-def sampling_keys(seeds, positions: jax.Array) -> jax.Array:
-  """Vectorised ``sampling_key``: seeds int [batch] (or a scalar), positions int [batch]."""
-  seeds = jnp.broadcast_to(jnp.asarray(seeds, jnp.uint32), positions.shape)
-  return jax.vmap(sampling_key)(seeds, positions)
-
-
-@jax.jit
-def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
-                  top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-  """Samples one token per row with per-row settings.
-
-  Args:
-    logits: f32 [batch, vocab].
-    keys: PRNG keys [batch].
-    temperature, top_p: f32 [batch]; top_k: int32 [batch] (0 = no limit).
-
-  Returns:
-    int32 [batch]; rows with ``temperature <= 0`` take the argmax.
-
-  A batch whose rows are all greedy takes only the argmax; otherwise every row
-  goes through ``sample_tokens_sorted`` (a full sort of the vocabulary per row,
-  tens of ms on CPU at 32K ids). Both give the same tokens.
-  """
-  return jax.lax.cond(jnp.all(temperature <= 0),
-                      lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
-                      lambda: sample_tokens_sorted(logits, keys, temperature, top_k, top_p))
-
-
-@jax.jit
-def sample_tokens_sorted(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
-                         top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-  """``sample_tokens`` (same arguments and result) with every row sorted, greedy
-  rows too: the sampled path, and the whole sampler before issue #17 (the
-  decode benchmarks' baseline)."""
-  vocab = logits.shape[-1]
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-  sorted_logits, sorted_idx = jax.lax.top_k(scaled, vocab)
-  ranks = jnp.arange(vocab)[None, :]
-  keep = (top_k[:, None] <= 0) | (ranks < top_k[:, None])
-  probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-  # Keep the smallest prefix whose mass reaches top_p (the first token always).
-  keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-  choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
-  sampled = jnp.take_along_axis(sorted_idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-  return jnp.where(temperature <= 0, greedy, sampled)
-
 
 def sample(logits: jax.Array, params: SamplingParams, seed: int, positions) -> jax.Array:
   """Samples [batch] tokens with one ``SamplingParams`` for the batch.

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from paas_jax.client import BrokerClient
-from paas_jax.models import api
+from paas_jax.models import api, sampler
 from paas_jax.netem import LinkSpec
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.serving import common, logprob_check
@@ -147,25 +147,33 @@ def test_scheduler_windows_token_exact_with_stops_and_queueing(model):
       model, x)
 
 
-def test_greedy_fast_path_samples_like_the_sorting_sampler():
-  """``sample_tokens`` skips the vocabulary sort when every row is greedy; its
-  tokens equal ``sample_tokens_sorted``'s for all-greedy and mixed batches."""
+def test_greedy_fast_path_and_mixed_batches_sample_from_the_kept_sets():
+  """``sample_tokens`` takes only the argmax when every row is greedy; in a mixed
+  batch its greedy rows take the argmax and its sampled rows draw from the
+  sorting sampler's kept sets (the baseline it replaced)."""
   n, vocab = 6, 1000
   logits = jax.random.normal(jax.random.key(1), (n, vocab)) * 3
   keys = api.sampling_keys(np.arange(n, dtype=np.uint32), jnp.arange(n, dtype=jnp.int32))
   top_k, top_p = jnp.array([0, 5, 0, 50, 0, 0], jnp.int32), jnp.array([1, 1, .9, 1, .5, 1.])
   greedy = jnp.zeros((n,))
   mixed = jnp.array([0.0, 0.8, 0.0, 1.2, 0.7, 0.0])
-  for temperature in (greedy, mixed):
-    fast = np.asarray(api.sample_tokens(logits, keys, temperature, top_k, top_p))
-    slow = np.asarray(api.sample_tokens_sorted(logits, keys, temperature, top_k, top_p))
-    np.testing.assert_array_equal(fast, slow)
+  argmax = np.argmax(np.asarray(logits), -1)
+  np.testing.assert_array_equal(np.asarray(api.sample_tokens(logits, keys, greedy, top_k, top_p)),
+                                argmax)
   np.testing.assert_array_equal(
-      np.asarray(api.sample_tokens(logits, keys, greedy, top_k, top_p)),
-      np.argmax(np.asarray(logits), -1))
+      np.asarray(api.sample_tokens_sorted(logits, keys, greedy, top_k, top_p)), argmax)
+  _, ids, keep = sampler.sorted_kept_mask(logits, mixed, top_k, top_p)
+  for draw in range(8):
+    got = np.asarray(api.sample_tokens(logits, jax.vmap(jax.random.fold_in, (0, None))(keys, draw),
+                                       mixed, top_k, top_p))
+    for r in range(n):
+      if mixed[r] <= 0:
+        assert got[r] == argmax[r]
+      else:
+        assert got[r] in set(np.asarray(ids[r])[np.asarray(keep[r])].tolist())
   # Negative control: the sampled rows of the mixed batch are not all the argmax.
   got = np.asarray(api.sample_tokens(logits, keys, mixed, top_k, top_p))
-  assert (got != np.argmax(np.asarray(logits), -1)).any()
+  assert (got != argmax).any()
 
 
 @pytest.mark.slow

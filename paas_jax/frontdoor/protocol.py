@@ -297,6 +297,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def extension(summary: dict) -> dict:
   """The ``paas_jax`` field: where the request was prefilled, link bytes."""
   return {"route": summary.get("route", ""), "route_reason": summary.get("route_reason", ""),
+          "route_rule": summary.get("route_rule", ""),
           "prefill_server": summary.get("prefill_server", ""),
           "decode_server": summary.get("decode_server", ""),
           "link_bytes": int(summary.get("link_bytes", 0) or 0),

@@ -42,6 +42,7 @@ Rule (all lengths in tokens):
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Literal
 
@@ -111,6 +112,38 @@ class ClusterView:
     return math.inf if self.link_bandwidth_bps <= 0 else 8.0 * self.link_backlog_bytes / self.link_bandwidth_bps
 
 
+class RouteRule(enum.StrEnum):
+  """Which branch of the routing rule chose the route: a bounded, typed value
+  (the decision's ``reason`` text adds the numbers). Values are the texts the
+  reasons always started with."""
+
+  # PrfaasRouter.decide (module docstring).
+  NO_PRFAAS_CLUSTER = "no_prfaas_cluster"
+  NO_PDP_CLUSTER = "no_pdp_cluster"
+  SCARCE_SHORT = "scarce:short"      # scarce link, l - l_pd <= t_eff: local
+  SCARCE_LONG = "scarce:long"
+  ABUNDANT_SHORT = "abundant:short"  # abundant link, l - max prefix <= t_eff: local
+  ABUNDANT_LONG = "abundant:long"
+  # The serving broker's own cases (paas_jax.serving.routing, broker).
+  STATIC_SHORT = "static:short"      # static rule l <= t
+  STATIC_LONG = "static:long"
+  FORCED_LOCAL = "forced:local"      # the client asked for a route
+  FORCED_REMOTE = "forced:remote"
+  NO_PREFILL_REGION = "no_prefill_region"
+  # An abundant-link decision needed a prefix transfer the deployment cannot
+  # do; re-taken with the scarce test.
+  NO_CROSS_CLUSTER_PREFIX = "no_cross_cluster_prefix"
+
+
+class ThresholdAdjustment(enum.StrEnum):
+  """How t_eff was derived from t (rule 3 of the module docstring)."""
+
+  BASE = "base"
+  RAISED_CONGESTED_LINK = "raised:congested_link"
+  RAISED_OFFLOAD_WAIT_LONGER = "raised:offload_wait_longer"
+  LOWERED_PDP_WAIT_LONGER = "lowered:pdp_wait_longer_idle_link"
+
+
 @dataclasses.dataclass(frozen=True)
 class RoutingDecision:
   """Where to prefill and which cluster's prefix cache to reuse.
@@ -121,7 +154,8 @@ class RoutingDecision:
     prefix_tokens: length of the reused prefix.
     effective_threshold: t_eff used for the test (tokens).
     bandwidth_mode: "scarce" or "abundant".
-    reason: short machine-greppable explanation.
+    rule: the branch of the rule that decided.
+    adjustment: how t_eff came from t (None when no threshold test ran).
   """
 
   route: Route
@@ -129,7 +163,13 @@ class RoutingDecision:
   prefix_tokens: int
   effective_threshold: float
   bandwidth_mode: str
-  reason: str
+  rule: RouteRule
+  adjustment: ThresholdAdjustment | None = None
+
+  @property
+  def reason(self) -> str:
+    """Short machine-greppable explanation: ``rule[;adjustment]``."""
+    return self.rule.value if self.adjustment is None else f"{self.rule};{self.adjustment}"
 
   @property
   def cross_cluster_prefix(self) -> bool:
@@ -193,7 +233,7 @@ class PrfaasRouter:
                 and view.backlog_seconds <= c.abundant_backlog_s)
     return "abundant" if abundant else "scarce"
 
-  def effective_threshold(self, view: ClusterView) -> tuple[float, str]:
+  def effective_threshold(self, view: ClusterView) -> tuple[float, ThresholdAdjustment]:
     c = self.config
     t = c.threshold_tokens
     congested = (view.link_bandwidth_bps <= 0 or view.link_utilization >= c.congested_utilization
@@ -206,13 +246,13 @@ class PrfaasRouter:
     # the optimum, and a queue pushed onto it drains only at its small spare rate.
     if w_pd < c.imbalance_s:
       if congested:
-        return t * c.raise_factor, "raised:congested_link"
+        return t * c.raise_factor, ThresholdAdjustment.RAISED_CONGESTED_LINK
       if w_off - w_pd >= c.imbalance_s:
-        return t * c.raise_factor, "raised:offload_wait_longer"
+        return t * c.raise_factor, ThresholdAdjustment.RAISED_OFFLOAD_WAIT_LONGER
     if (w_off < c.imbalance_s and w_pd - w_off >= c.imbalance_s
         and view.link_utilization <= c.idle_utilization):
-      return t / c.lower_factor, "lowered:pdp_wait_longer_idle_link"
-    return t, "base"
+      return t / c.lower_factor, ThresholdAdjustment.LOWERED_PDP_WAIT_LONGER
+    return t, ThresholdAdjustment.BASE
 
   def decide(self, request: RequestInfo, view: ClusterView) -> RoutingDecision:
     if view.prfaas_instances == 0 and view.pdp_instances == 0:
@@ -220,16 +260,20 @@ class PrfaasRouter:
     l_pd, l_rf = request.l_pd_cached, request.l_prfaas_cached
     mode = self.bandwidth_mode(view)
     if view.prfaas_instances == 0:
-      return RoutingDecision("pdp", "pdp" if l_pd else "none", l_pd, math.inf, mode, "no_prfaas_cluster")
+      return RoutingDecision("pdp", "pdp" if l_pd else "none", l_pd, math.inf, mode,
+                             RouteRule.NO_PRFAAS_CLUSTER)
     if view.pdp_instances == 0:
       # Naive heterogeneous has no local prefill, so only PrfaaS's own cache can help.
-      return RoutingDecision("prfaas", "prfaas" if l_rf else "none", l_rf, -math.inf, mode, "no_pdp_cluster")
+      return RoutingDecision("prfaas", "prfaas" if l_rf else "none", l_rf, -math.inf, mode,
+                             RouteRule.NO_PDP_CLUSTER)
     t_eff, adj = self.effective_threshold(view)
     if mode == "scarce":
       local = request.l_total - l_pd <= t_eff
       if local:
-        return RoutingDecision("pdp", "pdp" if l_pd else "none", l_pd, t_eff, mode, f"scarce:short;{adj}")
-      return RoutingDecision("prfaas", "prfaas" if l_rf else "none", l_rf, t_eff, mode, f"scarce:long;{adj}")
+        return RoutingDecision("pdp", "pdp" if l_pd else "none", l_pd, t_eff, mode,
+                               RouteRule.SCARCE_SHORT, adj)
+      return RoutingDecision("prfaas", "prfaas" if l_rf else "none", l_rf, t_eff, mode,
+                             RouteRule.SCARCE_LONG, adj)
     l_prefix = max(l_pd, l_rf)
     route: Route = "pdp" if request.l_total - l_prefix <= t_eff else "prfaas"
     # Ties go to the copy in the cluster that prefills: same reuse, no link
@@ -237,5 +281,5 @@ class PrfaasRouter:
     own = l_pd if route == "pdp" else l_rf
     other: PrefixSource = "prfaas" if route == "pdp" else "pdp"
     source: PrefixSource = "none" if l_prefix == 0 else (route if own >= l_prefix else other)
-    return RoutingDecision(route, source, l_prefix, t_eff, mode,
-                           f"abundant:{'short' if route == 'pdp' else 'long'};{adj}")
+    rule = RouteRule.ABUNDANT_SHORT if route == "pdp" else RouteRule.ABUNDANT_LONG
+    return RoutingDecision(route, source, l_prefix, t_eff, mode, rule, adj)

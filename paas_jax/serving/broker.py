@@ -36,7 +36,7 @@ from typing import Sequence
 import grpc
 
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
-from paas_jax.scheduling import FinishedRequest, rebalance_step
+from paas_jax.scheduling import FinishedRequest, RouteRule, rebalance_step
 from paas_jax.security.hooks import server_interceptors
 from paas_jax.serving import common, control_plane, pd_roles
 from paas_jax.serving.control_plane import model_config_from_decode
@@ -269,13 +269,13 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
 
   def _decide(self, request, prompt_len: int) -> RouteDecision:
     if request.route == serving_pb2.ROUTE_LOCAL:
-      return RouteDecision(PDP, "forced:local", -1.0)
+      return RouteDecision(PDP, RouteRule.FORCED_LOCAL, "forced:local", -1.0)
     if request.route == serving_pb2.ROUTE_REMOTE:
       if not self.prefill_targets:
         raise InvalidRequestError("route=REMOTE but this broker has no prefill region")
-      return RouteDecision(PRFAAS, "forced:remote", -1.0)
+      return RouteDecision(PRFAAS, RouteRule.FORCED_REMOTE, "forced:remote", -1.0)
     if not self.prefill_targets:
-      return RouteDecision(PDP, "no_prefill_region", float("inf"))
+      return RouteDecision(PDP, RouteRule.NO_PREFILL_REGION, "no_prefill_region", float("inf"))
     return self.policy.decide(RouteRequest(prompt_tokens=prompt_len))
 
   def _decide_live(self, request, prompt: list[int], rec: RequestRecord) -> RouteDecision:
@@ -322,6 +322,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
       except InvalidRequestError as e:
         raise AttemptFailed(Code.INVALID_ARGUMENT, str(e)) from None
       rec.route, rec.route_reason = decision.route, decision.reason
+      rec.route_rule = decision.rule.value
+      rec.threshold_adjustment = decision.adjustment.value if decision.adjustment else ""
       rec.threshold = decision.threshold_tokens
       rec.prefix_source = decision.prefix_source
       rec.bandwidth_mode = decision.bandwidth_mode

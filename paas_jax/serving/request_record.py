@@ -30,7 +30,9 @@ class RequestRecord:
   created: float = dataclasses.field(default_factory=time.time)
   t0: float = dataclasses.field(default_factory=time.perf_counter)
   route: str = ""
-  route_reason: str = ""
+  route_reason: str = ""  # audit text: the decision's reason, then fallbacks appended
+  route_rule: str = ""  # scheduling.RouteRule value: the branch that chose the route
+  threshold_adjustment: str = ""  # scheduling.ThresholdAdjustment value ("" none ran)
   threshold: float = 0.0
   decode_server: str = ""
   prefill_server: str = ""
@@ -117,7 +119,8 @@ class RequestRecord:
         prefix_source=self.prefix_source, prefix_transfer_tokens=self.prefix_transfer_tokens,
         prefix_transfer_bytes=self.prefix_transfer_bytes,
         prefix_transfer_s=self.prefix_transfer_s, commit_point=self.commit_point,
-        resumed_tokens=self.resumed_tokens, recomputed_tokens=self.recomputed_tokens)
+        resumed_tokens=self.resumed_tokens, recomputed_tokens=self.recomputed_tokens,
+        route_rule=self.route_rule, threshold_adjustment=self.threshold_adjustment)
 
   def to_dict(self) -> dict:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

@@ -18,7 +18,8 @@ import dataclasses
 import math
 from typing import Callable, Literal
 
-from paas_jax.scheduling import ClusterView, PrfaasRouter, RequestInfo, RouterConfig
+from paas_jax.scheduling import (ClusterView, PrfaasRouter, RequestInfo, RouteRule, RouterConfig,
+                                 ThresholdAdjustment)
 
 Route = Literal["pdp", "prfaas"]
 PDP: Route = "pdp"
@@ -40,12 +41,18 @@ class RouteRequest:
 
 @dataclasses.dataclass(frozen=True)
 class RouteDecision:
+  """The broker's routing decision. ``rule`` / ``adjustment`` are the typed
+  branch and threshold adjustment (bounded); ``reason`` the audit text with the
+  numbers (GetStats ``route_reason``, grows with fallbacks at the broker)."""
+
   route: Route
+  rule: RouteRule
   reason: str
   threshold_tokens: float
   prefix_source: str = "none"     # cluster whose cached prefix is reused
   prefix_tokens: int = 0
   bandwidth_mode: str = ""
+  adjustment: ThresholdAdjustment | None = None
 
 
 class RoutingPolicy(abc.ABC):
@@ -95,8 +102,8 @@ class StaticThresholdPolicy(RoutingPolicy):
   def decide(self, request: RouteRequest) -> RouteDecision:
     l, t = request.incremental_tokens, self.threshold_tokens
     if l > t:
-      return RouteDecision(PRFAAS, f"static:l={l}>t={t:g}", t)
-    return RouteDecision(PDP, f"static:l={l}<=t={t:g}", t,
+      return RouteDecision(PRFAAS, RouteRule.STATIC_LONG, f"static:l={l}>t={t:g}", t)
+    return RouteDecision(PDP, RouteRule.STATIC_SHORT, f"static:l={l}<=t={t:g}", t,
                          "pdp" if request.cached_prefix_tokens else "none",
                          request.cached_prefix_tokens)
 
@@ -161,10 +168,11 @@ class AdaptiveRouterPolicy(RoutingPolicy):
       local = request.prompt_tokens - l_pd <= t
       route, src, n = (PDP, "pdp", l_pd) if local else (PRFAAS, "prfaas", l_rf)
       reason += f";no_cross_cluster_prefix({d.prefix_source}->{d.route}):{route}"
-      return RouteDecision(route, reason, t if math.isfinite(t) else -1.0,
-                           src if n else "none", n, d.bandwidth_mode)
-    return RouteDecision(d.route, reason, t if math.isfinite(t) else -1.0,
-                         d.prefix_source, d.prefix_tokens, d.bandwidth_mode)
+      return RouteDecision(route, RouteRule.NO_CROSS_CLUSTER_PREFIX, reason,
+                           t if math.isfinite(t) else -1.0, src if n else "none", n,
+                           d.bandwidth_mode, d.adjustment)
+    return RouteDecision(d.route, d.rule, reason, t if math.isfinite(t) else -1.0,
+                         d.prefix_source, d.prefix_tokens, d.bandwidth_mode, d.adjustment)
 
 
 def make_policy(router: str, threshold: float, **router_config) -> RoutingPolicy:

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from paas_jax.scheduling.router import (ClusterView, PrfaasRouter, RequestInfo, RouterConfig,
-                                        RoutingDecision)
+from paas_jax.scheduling.router import (ClusterView, PrfaasRouter, RequestInfo, RouteRule,
+                                        RouterConfig, RoutingDecision, ThresholdAdjustment)
 
 T = 10_000
 ROUTER = PrfaasRouter(RouterConfig(threshold_tokens=T, prfaas_service_s=2.0, pdp_service_s=2.0))
@@ -126,3 +126,39 @@ def test_router_is_pure_and_retunable():
 def test_bad_inputs_raise(ctor):
   with pytest.raises(ValueError):
     ctor()
+
+
+def test_every_branch_names_its_typed_rule_and_the_reason_text_is_unchanged():
+  hot = ClusterView(link_bandwidth_bps=100e9, link_utilization=0.9, prfaas_instances=4,
+                    pdp_instances=3)
+  deep_rf = ClusterView(link_bandwidth_bps=100e9, link_utilization=0.5, prfaas_queue_depth=12,
+                        prfaas_instances=4, pdp_instances=3)
+  deep_pd = ClusterView(link_bandwidth_bps=100e9, link_utilization=0.1, pdp_queue_depth=9,
+                        prfaas_instances=4, pdp_instances=3)
+  cases = [
+      (RequestInfo(5_000), SCARCE, RouteRule.SCARCE_SHORT, ThresholdAdjustment.BASE,
+       "scarce:short;base"),
+      (RequestInfo(15_000), SCARCE, RouteRule.SCARCE_LONG, ThresholdAdjustment.BASE,
+       "scarce:long;base"),
+      (RequestInfo(5_000), ABUNDANT, RouteRule.ABUNDANT_SHORT, ThresholdAdjustment.BASE,
+       "abundant:short;base"),
+      (RequestInfo(15_000), ABUNDANT, RouteRule.ABUNDANT_LONG, ThresholdAdjustment.BASE,
+       "abundant:long;base"),
+      (RequestInfo(15_000), hot, RouteRule.SCARCE_SHORT, ThresholdAdjustment.RAISED_CONGESTED_LINK,
+       "scarce:short;raised:congested_link"),
+      (RequestInfo(15_000), deep_rf, RouteRule.SCARCE_SHORT,
+       ThresholdAdjustment.RAISED_OFFLOAD_WAIT_LONGER, "scarce:short;raised:offload_wait_longer"),
+      (RequestInfo(8_000), deep_pd, RouteRule.ABUNDANT_LONG,
+       ThresholdAdjustment.LOWERED_PDP_WAIT_LONGER, "abundant:long;lowered:pdp_wait_longer_idle_link"),
+      (RequestInfo(100), ClusterView(link_bandwidth_bps=0.0, prfaas_instances=0, pdp_instances=9),
+       RouteRule.NO_PRFAAS_CLUSTER, None, "no_prfaas_cluster"),
+      (RequestInfo(100), ClusterView(link_bandwidth_bps=1e9, prfaas_instances=4, pdp_instances=0),
+       RouteRule.NO_PDP_CLUSTER, None, "no_pdp_cluster"),
+  ]
+  for request, view, rule, adjustment, reason in cases:
+    d = ROUTER.decide(request, view)
+    assert (d.rule, d.adjustment, d.reason) == (rule, adjustment, reason), (request, view, d)
+    assert isinstance(d.rule, RouteRule)
+  # The rules are a closed set: a misspelt one does not construct.
+  with pytest.raises(ValueError):
+    RouteRule("scarce:shrot")

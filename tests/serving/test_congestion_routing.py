@@ -93,6 +93,7 @@ def test_link_congestion_shifts_routing_from_the_measured_view(narrow_cluster, r
     assert out.route == "prfaas", out.summary
     assert out.tokens == reference(tuple(prompt), 4)
     assert _recent(client, "quiet-before")["route_reason"].endswith(";base")
+    assert _recent(client, "quiet-before")["threshold_adjustment"] == "base"
 
     # 2. A burst of long prompts fills the link; the medium prompt now stays local.
     errors: list = []
@@ -115,6 +116,7 @@ def test_link_congestion_shifts_routing_from_the_measured_view(narrow_cluster, r
     assert out.route == "pdp", (out.summary, v)
     info = _recent(client, "congested")
     assert "raised:" in info["route_reason"] and info["threshold"] == 2 * THRESHOLD, info
+    assert info["threshold_adjustment"].startswith("raised:"), info
     assert out.tokens == reference(tuple(prompt), 4)
     for t in burst:
       t.join(120)

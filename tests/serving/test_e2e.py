@@ -86,6 +86,9 @@ def test_tokens_match_single_process_generation(client, reference, length, route
     assert int(s["link_bytes"]) == 0
   if route == "auto":
     assert f"t={THRESHOLD}" in s["route_reason"]
+    assert s["route_rule"] == ("static:long" if expected == "prfaas" else "static:short")
+  else:
+    assert s["route_rule"] == {"local": "forced:local", "remote": "forced:remote"}[route]
   assert 0 < out.ttft_s <= out.total_s
 
 

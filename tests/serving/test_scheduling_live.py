@@ -94,6 +94,7 @@ def test_cold_requests_follow_the_threshold_in_both_regimes(adaptive, reference)
       assert out.tokens == reference(tuple(prompt), 6)
       info = _route_info(server, f"cold-{name}-{length}")
       assert info["route_reason"].startswith(f"adaptive:{name}:")
+      assert info["route_rule"] == f"{name}:{'short' if expected == 'pdp' else 'long'}"
       assert info["bandwidth_mode"] == name and info["threshold"] == THRESHOLD
 
 
@@ -105,6 +106,7 @@ def test_congested_link_raises_the_threshold(adaptive):
   assert out.route == "pdp"
   info = _route_info(server, "congested")
   assert "raised:congested_link" in info["route_reason"] and info["threshold"] == 2 * THRESHOLD
+  assert info["threshold_adjustment"] == "raised:congested_link"
 
 
 def test_prefix_cached_in_the_other_region(adaptive, reference, region_stubs):

@@ -54,6 +54,32 @@ def test_engine_imports_jax():
   assert _loads_jax("paas_jax.serving.decode_engine") == (True, True)
 
 
+_BACKEND_STARTED = """
+import importlib, sys
+for name in sys.argv[1:]:
+  importlib.import_module(name)
+from jax._src import xla_bridge
+print(bool(xla_bridge._backends))
+"""
+
+
+def _starts_a_backend(*modules: str) -> bool:
+  r = subprocess.run([sys.executable, "-c", _BACKEND_STARTED, *modules], capture_output=True,
+                     text=True, timeout=300, cwd=ROOT)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return r.stdout.split()[-1] == "True"
+
+
+def test_importing_the_pod_processes_starts_no_jax_backend():
+  # A pod process imports everything, then calls jax.distributed.initialize, which
+  # refuses once a backend exists: no module may create arrays at import time.
+  assert not _starts_a_backend("paas_jax.serving.pod_worker",
+                               "paas_jax.serving.pod_prefill_server", "paas_jax.models.api",
+                               "paas_jax.serving.decode_engine", "paas_jax.serving.prefill_engine")
+  # Negative control: a module-level array does start one.
+  assert _starts_a_backend("paas_jax.models.api", "tests.layering_jnp_constant")
+
+
 def test_validation_without_jax_refuses_bad_requests():
   code = """
 import sys

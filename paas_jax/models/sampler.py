@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-_SIGN = jnp.uint32(0x80000000)
+# A numpy scalar, not a jnp array: importing the models must not start a JAX
+# backend (pod processes call jax.distributed.initialize after their imports).
+_SIGN = np.uint32(0x80000000)
 _BISECT_ROUNDS = 32  # one per bit of a float32
 
 

@@ -439,6 +439,12 @@ class LiveClusterState:
     n = len(prompt)
     return min(best["pdp"], n), min(best["prfaas"], n)
 
+  def link_bytes_sent(self) -> float:
+    """Bytes region A's senders put on the link so far (their last polled
+    ``LinkLoad.bytes_sent_total``, summed over prefill servers)."""
+    with self._lock:
+      return float(sum(r.sent_total for r in self._egress if r is not None))
+
   def link_retransmits(self) -> float:
     """TCP retransmissions region A's senders report on the link (TCP_INFO of
     the data-plane connections), summed over prefill servers."""

@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -166,13 +167,16 @@ def test_json_lines_carry_the_request_id_across_regions(serve):
 
 def test_metrics_interceptor_counts_cancelled_streams(serve):
   metrics = ServingMetrics("decode", process=False)
-  release = threading.Event()
   seen = threading.Event()
 
   def slow(request, context):
     yield b"1"
     seen.set()
-    release.wait(5)
+    # Go on only once the server has seen the cancel: a handler that finished
+    # before the cancel arrived would be an OK call (the race made this flaky).
+    deadline = time.monotonic() + 5
+    while context.is_active() and time.monotonic() < deadline:
+      time.sleep(0.01)
     yield b"2"
 
   handlers = {"Slow": grpc.unary_stream_rpc_method_handler(slow, _ident, _ident)}
@@ -184,7 +188,6 @@ def test_metrics_interceptor_counts_cancelled_streams(serve):
     assert next(call) == b"1"
     seen.wait(5)
     call.cancel()
-    release.set()
   for _ in range(100):
     text = metrics.text()
     if 'code="CANCELLED"' in text:

@@ -13,6 +13,7 @@ from paas_jax.serving.engine_config import EngineConfig
 from paas_jax.serving.prefill_engine import PrefillEngine, PrefillInput
 from paas_jax.serving.slot_pool import PageAllocator, PoolExhaustedError
 from paas_jax.serving.validation import InvalidRequestError, RequestParams, validate_request
+from tests.serving.engine_rig import decode_to_completion
 
 common.enable_compilation_cache(common.default_compilation_cache())
 
@@ -43,22 +44,7 @@ def _run_engine(model, reqs: list[PrefillInput]) -> dict[str, list[int]]:
   outs = []
   for i in range(0, len(reqs), 2):
     outs += pe.prefill(reqs[i:i + 2])
-  pending = list(zip(reqs, outs))
-  active, result = {}, {}
-  while pending or active:
-    while pending and de.free_slots:
-      r, o = pending.pop(0)
-      slot = de.reserve(len(r.prompt) + r.params.max_new_tokens)
-      de.insert(o.state, slot, o.first_token, r.params)
-      active[slot] = (r, [o.first_token])
-    tokens = de.generate()
-    for slot in list(active):
-      r, got = active[slot]
-      got.append(int(tokens[slot]))
-      if len(got) == r.params.max_new_tokens:
-        result[r.request_id] = got
-        del active[slot]
-        de.free(slot)
+  result = decode_to_completion(de, list(zip(reqs, outs)))
   assert de.free_pages == de.num_pages and de.free_slots == ENGINE.n_slots
   return result
 

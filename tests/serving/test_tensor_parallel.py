@@ -27,6 +27,7 @@ from paas_jax.serving.engine_config import EngineConfig
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
 from paas_jax.serving.prefill_engine import PrefillEngine, PrefillInput
 from paas_jax.serving.validation import RequestParams
+from tests.serving.engine_rig import decode_to_completion
 
 common.enable_compilation_cache(common.default_compilation_cache())
 
@@ -52,22 +53,7 @@ def _serve(model: api.Model, reqs: list[PrefillInput]) -> dict[str, list[int]]:
   """Prefill in batches of two, then decode every request to its end."""
   pe, de = PrefillEngine(model, ENGINE), DecodeEngine(model, ENGINE)
   outs = pe.prefill(reqs[:2]) + pe.prefill(reqs[2:])
-  pending, active, result = list(zip(reqs, outs)), {}, {}
-  while pending or active:
-    while pending and de.free_slots:
-      r, o = pending.pop(0)
-      slot = de.reserve(len(r.prompt) + r.params.max_new_tokens)
-      de.insert(o.state, slot, o.first_token, r.params)
-      active[slot] = (r, [o.first_token])
-    tokens = de.generate()
-    for slot in list(active):
-      r, got = active[slot]
-      got.append(int(tokens[slot]))
-      if len(got) == r.params.max_new_tokens:
-        result[r.request_id] = got
-        del active[slot]
-        de.free(slot)
-  return result
+  return decode_to_completion(de, list(zip(reqs, outs)))
 
 
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, 256, 45)]

@@ -4,27 +4,22 @@ StateReceiver behind a real gRPC port, and real mTLS certificates."""
 from __future__ import annotations
 
 import socket
-import ssl
-import struct
 import threading
 import time
 
 import grpc
 import pytest
 
-from paas_jax import codec
 from paas_jax.codec.testing import assert_states_match, random_state
 from paas_jax.models import load_config
 from paas_jax.security import ca as ca_lib
 from paas_jax.security.tls import TLSConfig
 from paas_jax.state import abstract_state
-from paas_jax.transport import (ReceiverOptions, SenderOptions, StateReceiver, StateSender,
-                                TransferError, serve_receiver)
+from paas_jax.transport import (SenderOptions, StateReceiver, StateSender, TransferError,
+                                serve_receiver)
 from paas_jax.transport.dataplane import frames, tls as dp_tls
 from paas_jax.transport.dataplane.tuning import Tuning
-
-N = 50
-SMALL_CHUNKS = codec.CodecOptions(chunk_bytes=4096)
+from tests.transport.dataplane_rig import N, SMALL_CHUNKS, assert_clean, receivers, send
 
 
 @pytest.fixture(scope="module")
@@ -48,37 +43,8 @@ def pki(tmp_path_factory):
 
 @pytest.fixture
 def make_rx(config):
-  started = []
-
-  def make(**kw):
-    failures = []
-    receiver = StateReceiver(
-        models={config.name: config.fingerprint()},
-        template=lambda info: (abstract_state(config, 1, 128), None),
-        on_failure=lambda *a: failures.append(a),
-        options=ReceiverOptions(**kw.pop("options", {})))
-    server = serve_receiver(receiver, data_plane=True, **kw)
-    started.append(server)
-    server.failures = failures
-    return server
-
-  yield make
-  for server in started:
-    server.stop(0)
-
-
-def send(sender, config, state, **kw):
-  return sender.send_state(state, model_id=config.name, config_fingerprint=config.fingerprint(),
-                           **kw)
-
-
-def assert_clean(server, timeout=10.0):
-  """Nothing of a failed or finished transfer is left at the receiver."""
-  end = time.monotonic() + timeout
-  while time.monotonic() < end and server.receiver.active_transfers():
-    time.sleep(0.02)
-  assert server.receiver.active_transfers() == []
-  assert server.receiver.bytes_in_use == 0
+  with receivers(config) as make:
+    yield make
 
 
 def test_round_trip_token_exact_and_connections_reused(config, state, make_rx):

@@ -4,7 +4,6 @@ gRPC port and real sockets."""
 
 from __future__ import annotations
 
-import collections
 import socket
 import threading
 import time
@@ -12,34 +11,18 @@ import time
 import grpc
 import pytest
 
-from paas_jax import codec
 from paas_jax.codec.manifest import StateManifest
 from paas_jax.codec.store import crc32c
 from paas_jax.codec.testing import assert_states_match, random_state
 from paas_jax.models import load_config
 from paas_jax.proto import transport_pb2
-from paas_jax.state import abstract_state
 from paas_jax.transport import transfer as transfer_mod
-from paas_jax.transport import (ReceiverOptions, SenderOptions, StateReceiver, StateSender,
-                                TransferError, serve_receiver)
+from paas_jax.transport import SenderOptions, StateSender, TransferError
 from paas_jax.transport.dataplane import frames
 from paas_jax.transport.dataplane.lanes import LanePool
 from paas_jax.transport.dataplane.streams import LaneStream, Outgoing
 from paas_jax.transport.dataplane.tuning import Tuning
-
-N = 50
-SMALL_CHUNKS = codec.CodecOptions(chunk_bytes=4096)
-
-
-class _CountRpcs(grpc.ServerInterceptor):
-  """Counts the StateTransfer RPCs that reach the receiver's gRPC port."""
-
-  def __init__(self):
-    self.calls = collections.Counter()
-
-  def intercept_service(self, continuation, details):
-    self.calls[details.method.rsplit("/", 1)[-1]] += 1
-    return continuation(details)
+from tests.transport.dataplane_rig import N, SMALL_CHUNKS, assert_clean, receivers, send
 
 
 @pytest.fixture(scope="module")
@@ -54,34 +37,8 @@ def state(config):
 
 @pytest.fixture
 def make_rx(config):
-  started = []
-
-  def make(**kw):
-    receiver = StateReceiver(models={config.name: config.fingerprint()},
-                             template=lambda info: (abstract_state(config, 1, 128), None),
-                             options=ReceiverOptions(**kw.pop("options", {})))
-    rpcs = _CountRpcs()
-    server = serve_receiver(receiver, data_plane=True, interceptors=[rpcs], **kw)
-    server.rpcs = rpcs.calls
-    started.append(server)
-    return server
-
-  yield make
-  for server in started:
-    server.stop(0)
-
-
-def send(sender, config, state, **kw):
-  return sender.send_state(state, model_id=config.name, config_fingerprint=config.fingerprint(),
-                           **kw)
-
-
-def assert_clean(server, timeout=10.0):
-  end = time.monotonic() + timeout
-  while time.monotonic() < end and server.receiver.active_transfers():
-    time.sleep(0.02)
-  assert server.receiver.active_transfers() == []
-  assert server.receiver.bytes_in_use == 0
+  with receivers(config) as make:
+    yield make
 
 
 def test_begin_and_commit_ride_warm_connections(config, state, make_rx):

@@ -98,7 +98,16 @@ def kept_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     logits: f32 [batch, vocab]; temperature, top_p: f32 [batch]; top_k: int32
       [batch] (0 = no limit).
   """
-  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+  return _kept_of_scaled(_scaled(logits, temperature), top_k, top_p)
+
+
+def _scaled(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+  """f32 [batch, vocab]: logits over each row's temperature (greedy rows: huge)."""
+  return logits / jnp.maximum(temperature, 1e-6)[:, None]
+
+
+def _kept_of_scaled(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """``kept_mask`` of logits already scaled by their temperature."""
   keys = _ordered_bits(scaled)
   in_top_k = jax.lax.cond(jnp.all(top_k <= 0), lambda: jnp.ones(keys.shape, bool),
                           lambda: keys >= _top_k_bound(keys, top_k)[:, None])
@@ -126,8 +135,8 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
   greedy = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
   def sampled():
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    keep = kept_mask(logits, temperature, top_k, top_p)
+    scaled = _scaled(logits, temperature)
+    keep = _kept_of_scaled(scaled, top_k, top_p)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(keys)
     drawn = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
     return jnp.where(temperature <= 0, greedy(), drawn)
@@ -140,7 +149,7 @@ def sorted_kept_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
   """The sorting sampler's kept set: (scaled logits sorted per row, their token
   ids, bool keep) all [batch, vocab]; the rank order breaks ties by id."""
   vocab = logits.shape[-1]
-  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+  scaled = _scaled(logits, temperature)
   sorted_logits, sorted_idx = jax.lax.top_k(scaled, vocab)
   ranks = jnp.arange(vocab)[None, :]
   keep = (top_k[:, None] <= 0) | (ranks < top_k[:, None])

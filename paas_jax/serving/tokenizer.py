@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-import json
 import pathlib
 from typing import Sequence
 
 from tokenizers import Tokenizer
 
 from paas_jax.serving.tokenizer_files import (QWEN_BUNDLED_VOCAB_SIZE, bundled_qwen_vocabulary,
-                                              load_tokenizer)
+                                              load_tokenizer, read_json_file)
 
 
 class ByteTokenizer:
@@ -167,15 +166,6 @@ def random_init_text(name: str, vocab_size: int) -> ServedText:
   return byte_text(name, vocab_size)
 
 
-def _read_json(path: pathlib.Path) -> dict:
-  if not path.is_file():
-    return {}
-  try:
-    return json.loads(path.read_text())
-  except ValueError as e:
-    raise ValueError(f"{path}: not valid JSON ({e})") from None
-
-
 def _ids(value) -> tuple[int, ...]:
   if value is None:
     return ()
@@ -211,10 +201,10 @@ def checkpoint_text(checkpoint: str | pathlib.Path, *, config_name: str = "",
   Kimi ``tiktoken.model`` (serving/tokenizer_files.py); neither: ``tokenizer=None``.
   """
   d = pathlib.Path(checkpoint)
-  hf = _read_json(d / "config.json")
+  hf = read_json_file(d / "config.json")
   meta = metadata or {}
-  tok_config = _read_json(d / "tokenizer_config.json")
-  gen_config = _read_json(d / "generation_config.json")
+  tok_config = read_json_file(d / "tokenizer_config.json")
+  gen_config = read_json_file(d / "generation_config.json")
   raw = load_tokenizer(d)  # tokenizer.json, or Kimi's tiktoken.model
   tokenizer = WrappedTokenizer(raw) if raw is not None else None
   template = tok_config.get("chat_template")

@@ -172,7 +172,9 @@ class TiktokenTokenizer:
     return self.model.n_vocab
 
 
-def _read_json(path: pathlib.Path) -> dict:
+def read_json_file(path: pathlib.Path) -> dict:
+  """A checkpoint's JSON file; {} when it is absent. Raises TokenizerFileError
+  (a ValueError) when it is not valid JSON."""
   if not path.is_file():
     return {}
   try:
@@ -206,7 +208,7 @@ def kimi_tokenizer(directory: str | pathlib.Path) -> TiktokenTokenizer:
   """
   d = pathlib.Path(directory)
   ranks = _read_ranks(d / TIKTOKEN_FILE)
-  tok_config = _read_json(d / TOKENIZER_CONFIG)
+  tok_config = read_json_file(d / TOKENIZER_CONFIG)
   n_base = len(ranks)
   named = {}
   for key, entry in (tok_config.get("added_tokens_decoder") or {}).items():
@@ -249,8 +251,8 @@ def load_tokenizer(directory: str | pathlib.Path):
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
       raise TokenizerFileError(f"{d / TOKENIZER_JSON}: cannot be read ({e})") from None
   if (d / TIKTOKEN_FILE).is_file():
-    tok_config = _read_json(d / TOKENIZER_CONFIG)
-    if _is_kimi(tok_config, _read_json(d / "config.json")):
+    tok_config = read_json_file(d / TOKENIZER_CONFIG)
+    if _is_kimi(tok_config, read_json_file(d / "config.json")):
       return kimi_tokenizer(d)
     raise TokenizerFileError(
         f"{d}: {TIKTOKEN_FILE} of an unknown tokenizer (tokenizer_class "

@@ -54,13 +54,18 @@ class Proc:
     return False
 
   def stop(self, timeout_s: float = 10.0) -> None:
-    if self.popen.poll() is None:
-      self.popen.send_signal(signal.SIGTERM)
-      try:
-        self.popen.wait(timeout_s)
-      except subprocess.TimeoutExpired:
-        self.popen.kill()
-        self.popen.wait(5)
+    stop_process(self.popen, timeout_s)
+
+
+def stop_process(popen: subprocess.Popen, timeout_s: float = 10.0) -> None:
+  """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``."""
+  if popen.poll() is None:
+    popen.send_signal(signal.SIGTERM)
+    try:
+      popen.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+      popen.kill()
+      popen.wait(5)
 
 
 def spawn(name: str, args: Sequence[str], workdir: pathlib.Path, *,

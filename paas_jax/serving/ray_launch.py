@@ -42,7 +42,7 @@ from ray.util.placement_group import (placement_group, placement_group_table,
                                       remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from paas_jax.serving.child_process import LaunchError
+from paas_jax.serving.child_process import LaunchError, stop_process
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -194,13 +194,8 @@ class ServerProcess:
 
   def stop(self, timeout_s: float = 10.0) -> int | None:
     self.stopping = True
-    if self.popen is not None and self.popen.poll() is None:
-      self.popen.send_signal(signal.SIGTERM)
-      try:
-        self.popen.wait(timeout_s)
-      except subprocess.TimeoutExpired:
-        self.popen.kill()
-        self.popen.wait(5)
+    if self.popen is not None:
+      stop_process(self.popen, timeout_s)
     return self.popen.returncode if self.popen else None
 
   def log_tail(self, lines: int = 30) -> str:

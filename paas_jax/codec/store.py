@@ -23,15 +23,30 @@ def crc32c(data) -> int:
   """CRC-32C (Castagnoli) of ``data`` (bytes or any C-contiguous buffer such as a
   memoryview or ndarray, read in place without a copy), hardware-accelerated
   via google-crc32c."""
-  if not isinstance(data, bytes):
-    view = memoryview(data)
-    if not view.c_contiguous:
-      raise ValueError("crc32c needs a C-contiguous buffer")
-    # google-crc32c refuses memoryviews and bytearrays but reads ndarrays in
-    # place: a uint8 view of the same memory, not a copy.
-    data = np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view,
-                         np.uint8)
-  return int(google_crc32c.value(data))
+  return int(google_crc32c.value(_uint8(data)))
+
+
+def crc32c_extend(crc: int, data) -> int:
+  """The CRC-32C of the bytes that gave ``crc`` followed by ``data``."""
+  return int(google_crc32c.extend(crc, _uint8(data)))
+
+
+def _uint8(data):
+  if isinstance(data, bytes):
+    return data
+  view = memoryview(data)
+  if not view.c_contiguous:
+    raise ValueError("crc32c needs a C-contiguous buffer")
+  # google-crc32c refuses memoryviews and bytearrays but reads ndarrays in
+  # place: a uint8 view of the same memory, not a copy.
+  return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view,
+                       np.uint8)
+
+
+def _ts_value(value):
+  """``value`` as TensorStore's kvstore takes it (bytes or bytearray; the data
+  plane's receive buffers are other buffer types)."""
+  return value if value is None or isinstance(value, (bytes, bytearray)) else bytes(value)
 
 
 @functools.lru_cache(maxsize=64)
@@ -98,7 +113,7 @@ class MemoryStore:
         return
       self._context = ts.Context()
       self._kvstore = ts.KvStore.open({"driver": "memory"}, context=self._context).result()
-      futures = [self._kvstore.write(k, v) for k, v in self._blobs.items()]
+      futures = [self._kvstore.write(k, _ts_value(v)) for k, v in self._blobs.items()]
       for f in futures:
         f.result()
       self._blobs = None
@@ -134,7 +149,7 @@ class MemoryStore:
         self._blobs.update(blobs)
         self.nbytes += sum(len(v) for v in blobs.values())
         return
-    futures = [self.kvstore.write(key, value) for key, value in blobs.items()]
+    futures = [self.kvstore.write(key, _ts_value(value)) for key, value in blobs.items()]
     for f in futures:
       f.result()
     self.nbytes += sum(len(v) for v in blobs.values())
@@ -175,7 +190,7 @@ class MemoryStore:
           self._blobs[key] = value
           self.nbytes += len(value)
         return _Done(None)
-    self.kvstore.write(key, value).result()
+    self.kvstore.write(key, _ts_value(value)).result()
     return _Done(None)
 
   def read(self, key: str | bytes) -> "_Done":

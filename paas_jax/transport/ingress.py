@@ -115,10 +115,11 @@ class FrameIngress:
       self._fail(t, e.code, e.message)
       raise TransferRefused(e.code, e.message) from None
 
-  def plane_chunk(self, t: Inbound, layer: int, key: str, crc: int, data) -> str | None:
+  def plane_chunk(self, t: Inbound, layer: int, key: str, crc: int, data,
+                  data_crc: int) -> str | None:
     t.touch(time.monotonic())
     try:
-      reason, _ = self._accept_chunk(t, layer, key, crc, len(data), data)
+      reason, _ = self._accept_chunk(t, layer, key, crc, len(data), data, data_crc)
     except TransferFailed as e:
       self._fail(t, e.code, e.message)
       raise TransferRefused(e.code, e.message) from None

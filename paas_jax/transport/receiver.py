@@ -325,8 +325,10 @@ class StateReceiver(FrameIngress, transport_pb2_grpc.StateTransferServicer):
     self._maybe_complete(t, entry.index)
 
   def _accept_chunk(self, t: Inbound, layer: int, key: str, crc: int, nbytes: int,
-                    data) -> tuple[str | None, int]:
-    """Verifies one object (gRPC frame or data-plane buffer) and keeps ``data``."""
+                    data, data_crc: int | None = None) -> tuple[str | None, int]:
+    """Verifies one object (gRPC frame or data-plane buffer) and keeps ``data``.
+    ``data_crc``: the crc32c of ``data`` if the caller computed it as the bytes
+    arrived (the data plane); None: computed here."""
     reason = None
     if not GLOBAL_LAYER_INDEX <= layer < t.info.num_layers:
       reason = f"layer {layer} outside the {t.info.num_layers} layers announced by Begin"
@@ -338,7 +340,7 @@ class StateReceiver(FrameIngress, transport_pb2_grpc.StateTransferServicer):
       reason = (f"truncated: {len(data)} of {nbytes} bytes" if len(data) < nbytes
                 else f"size mismatch: {len(data)} bytes, frame says {nbytes}")
     else:
-      got = crc32c(data)
+      got = crc32c(data) if data_crc is None else data_crc
       if got != crc:
         reason = f"crc32c mismatch: data has 0x{got:08x}, frame says 0x{crc:08x}"
     with t.lock:

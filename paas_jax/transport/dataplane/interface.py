@@ -40,11 +40,13 @@ class FrameSink(Protocol):
   def plane_descriptor(self, handle: Any, layer: int, layer_json: str) -> None:
     """A layer descriptor arrived. Raises TransferRefused."""
 
-  def plane_chunk(self, handle: Any, layer: int, key: str, crc32c: int,
-                  data: bytearray) -> str | None:
-    """A stored object arrived in ``data`` (now owned by the sink). Returns
-    why it was rejected (the sender resends it), or None when it is kept.
-    Raises TransferRefused when the transfer fails."""
+  def plane_chunk(self, handle: Any, layer: int, key: str, crc32c: int, data,
+                  data_crc32c: int) -> str | None:
+    """A stored object arrived in ``data`` (a bytes-like buffer, now owned by
+    the sink); ``crc32c`` is what the frame header says, ``data_crc32c`` what
+    the plane computed over the bytes as they arrived. Returns why it was
+    rejected (the sender resends it), or None when it is kept. Raises
+    TransferRefused when the transfer fails."""
 
   def plane_begin(self, request: bytes, peer: str) -> bytes:
     """A serialized ``BeginRequest`` arrived (BEGIN frame); returns the

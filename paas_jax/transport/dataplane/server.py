@@ -7,7 +7,8 @@ the reason, a failed transfer with ERROR and its gRPC status code. BEGIN and
 COMMIT frames (when ``control``) run the receiver's Begin / Commit and are
 answered with the serialized response (RESULT).
 A chunk's payload is read with ``recv_into`` straight into the buffer that
-the decode side keeps (no copy between the socket and the restore). The
+the decode side keeps (no copy between the socket and the restore), and its
+crc32c is computed as it arrives (``buffers``). The
 connection outlives transfers: the sender reuses it for the next one.
 
 Refused with a clear status and nothing kept: a frame for an unknown or
@@ -33,7 +34,7 @@ from typing import Sequence
 import grpc
 
 from paas_jax.codec.store import crc32c
-from paas_jax.transport.dataplane import frames, sockio, tls as tls_lib, tuning as tuning_lib
+from paas_jax.transport.dataplane import buffers, frames, sockio, tls as tls_lib, tuning as tuning_lib
 from paas_jax.transport.dataplane.interface import FrameSink, TransferRefused
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class DataPlaneServer:
     self.ssl_context = ssl_context
     self.peer_patterns = None if peer_patterns is None else tuple(peer_patterns)
     self.tuning = tuning
+    if tuning.retain_freed_memory:
+      buffers.retain_freed_memory()
     self._listener = socket.create_server((host, port), backlog=128)
     self.host = host
     self.port = self._listener.getsockname()[1]
@@ -209,14 +212,16 @@ class DataPlaneServer:
         acks.flush()
         self._reply(sock, frames.pack_reply(seq, frames.ERROR, e.code, e.message))
         continue
-      data = bytearray(length)
-      frames.recv_exact(sock, memoryview(data), waitall)
       try:
         if kind == frames.DESCRIPTOR:
+          data = bytearray(length)
+          frames.recv_exact(sock, memoryview(data), waitall)
           sink.plane_descriptor(handle, layer, data.decode("utf-8", "replace"))
           reason = None
         else:
-          reason = sink.plane_chunk(handle, layer, key, crc, data)
+          data = buffers.payload_buffer(length)
+          arrived_crc = buffers.recv_payload(sock, memoryview(data), waitall)
+          reason = sink.plane_chunk(handle, layer, key, crc, data, arrived_crc)
       except TransferRefused as e:
         acks.flush()
         self._reply(sock, frames.pack_reply(seq, frames.ERROR, e.code, e.message))

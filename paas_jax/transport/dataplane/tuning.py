@@ -33,6 +33,9 @@ class Tuning:
       blocked sender notices an abort or a deadline.
     stall_timeout_s: a connection with frames outstanding and no reply for
       this long is declared dead (its frames go to the other connections).
+    retain_freed_memory: a receiver asks glibc to keep freed receive buffers
+      for reuse (``buffers.retain_freed_memory``, process-wide) rather than
+      page-fault fresh memory for every transfer.
   """
 
   rate_bytes_per_s: float = 1.25e9
@@ -41,6 +44,7 @@ class Tuning:
   connect_timeout_s: float = 5.0
   io_timeout_s: float = 0.2
   stall_timeout_s: float = 30.0
+  retain_freed_memory: bool = True
 
   @property
   def buffer_bytes(self) -> int:

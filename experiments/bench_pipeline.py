@@ -10,6 +10,12 @@ prefill: ``--link_ratio``) over the real gRPC transport into a real receiver:
   on the receiving side);
 * store-then-send: prefill, then one transfer of the whole state.
 
+The link is sized per case (``--link_sizing=per_case``): on the cold prefill,
+except for the warm case, whose prefill computes only the uncached half and
+whose link is sized on a timed warm prefill (``cold`` sizes every case on the
+cold prefill; a warm case is then link-bound by construction: the link needs
+``link_ratio`` cold prefills for bytes that a half-length prefill produces).
+
 Both with the prefix cache off and on (cold: a prompt it has not seen; warm: a
 prompt whose first half it holds, so the cached blocks are sent first; held:
 the decode side's own cache holds the first half, so the pipelined stream
@@ -82,6 +88,10 @@ flags.DEFINE_list("cache", ["off", "cold", "warm"], "Prefix cache cases: off, co
                   "(region A holds the first half) and held (the decode side holds it: not "
                   "sent, region A computes everything).")
 flags.DEFINE_float("link_ratio", 1.0, "Whole-state transfer time / prefill time on the link.")
+flags.DEFINE_enum("link_sizing", "per_case", ["per_case", "cold"],
+                  "What --link_ratio is taken of: per_case, each case's own prefill (the "
+                  "warm case's prefill computes only the uncached half, so its link is "
+                  "sized on a timed warm prefill); cold, the cold prefill for every case.")
 flags.DEFINE_float("rtt_ms", 10.0, "Link round-trip time.")
 flags.DEFINE_integer("streams", 2, "Push streams per transfer.")
 flags.DEFINE_string("json_out", "runs/bench_pipeline.json", "Where to write the JSON.")
@@ -224,6 +234,17 @@ def run_store_then_send(engine, sender, prompt, rid, receiver):
   return row
 
 
+def _time_warm_prefill(model, cached: EngineConfig, length: int, vocab: int) -> float:
+  """Seconds of a warm prefill (a fresh prefix cache holding the prompt's first
+  half, as in the warm case), on a prompt of its own."""
+  engine = PrefillEngine(model, cached)
+  prompt = _prompt(length, 9_999, vocab)
+  engine.prefill([PrefillInput("size", prompt[:length // 2] + (0,), RequestParams())])
+  t0 = time.perf_counter()
+  engine.prefill([PrefillInput("size", prompt, RequestParams())])
+  return time.perf_counter() - t0
+
+
 def _load() -> list[float]:
   return [round(x, 2) for x in os.getloadavg()]
 
@@ -249,6 +270,8 @@ def project(engine, length: int, cases, vocab: int) -> dict:
   first, last = (_time_chunk(engine, prompt[:end], end - min(chunk, end - 1)) for end in ends)
   prefill_s = -(-length // chunk) * (first + last) / 2
   runs = 1 + len(cases) * (2 + FLAGS.link_ratio)
+  if "warm" in cases and FLAGS.link_sizing == "per_case":
+    runs += 1  # the timed warm prefill that sizes the warm case's link (and its seed)
   return {"first_chunk_s": first, "last_chunk_s": last, "prefill_s": prefill_s,
           "prefills_per_run": runs, "run_s": prefill_s * runs}
 
@@ -297,19 +320,25 @@ def bench_length(model, length: int, receiver: Receiver, cases) -> dict:
   assert logit_probe.check_state(model, host, _first_token(model, ref)[0]).ok
   state_bytes = _state_bytes(host, length)
   bandwidth = state_bytes * 8 / (prefill_s * FLAGS.link_ratio)
-  link = LinkSpec(bandwidth_bps=bandwidth, rtt_s=FLAGS.rtt_ms / 1e3)
-  relay = Relay(link, [Route("t", "127.0.0.1:0", receiver.server.target, Link.A_TO_B)]).start()
   out = {"length": length, "prefill_alone_s": prefill_s, "state_bytes_est": state_bytes,
-         "link_bandwidth_bps": bandwidth, "projected": projected,
-         "load_avg_before": load_before, "cases": {}}
-  try:
-    # Begin of a segment waits behind the bytes already queued on the link; on
-    # this CPU bench the link is slow (sized to a slow prefill), so the control
-    # RPC deadline is raised from the default 10 s.
-    options = SenderOptions(num_streams=FLAGS.streams, rpc_timeout_s=600.0)
-    with StateSender(relay.address("t"), options=options) as s:
-      for case in cases:
-        row = {}
+         "link_bandwidth_bps": bandwidth, "link_sizing": FLAGS.link_sizing,
+         "projected": projected, "load_avg_before": load_before, "cases": {}}
+  # Begin of a segment waits behind the bytes already queued on the link; on
+  # this CPU bench the link is slow (sized to a slow prefill), so the control
+  # RPC deadline is raised from the default 10 s.
+  options = SenderOptions(num_streams=FLAGS.streams, rpc_timeout_s=600.0)
+  for case in cases:
+    case_bandwidth, sized_on = bandwidth, {"prefill_s": prefill_s, "what": "cold prefill"}
+    if case == "warm" and FLAGS.link_sizing == "per_case":
+      warm_s = _time_warm_prefill(model, cached, length, vocab)
+      case_bandwidth = state_bytes * 8 / (warm_s * FLAGS.link_ratio)
+      sized_on = {"prefill_s": warm_s, "what": "warm prefill (first half cached)"}
+    link = LinkSpec(bandwidth_bps=case_bandwidth, rtt_s=FLAGS.rtt_ms / 1e3)
+    relay = Relay(link, [Route("t", "127.0.0.1:0", receiver.server.target,
+                               Link.A_TO_B)]).start()
+    try:
+      with StateSender(relay.address("t"), options=options) as s:
+        row = {"link_bandwidth_bps": case_bandwidth, "link_sized_on": sized_on}
         for method, fn in (("store_then_send", run_store_then_send),
                            ("pipelined", run_pipelined)):
           # A fresh engine (and empty prefix cache) per run; compiled code is shared.
@@ -333,7 +362,8 @@ def bench_length(model, length: int, receiver: Receiver, cases) -> dict:
           print(f"L={length} cache={case} {method}: {row[method]}", flush=True)
         whole = row["store_then_send"]["transfer_s"]
         row["remaining_ratio"] = row["pipelined"]["ready_after_prefill_s"] / whole
-        row["remaining_ratio_link_bound"] = _link_bound(row["pipelined"], bandwidth) / whole
+        row["remaining_ratio_link_bound"] = (_link_bound(row["pipelined"], case_bandwidth)
+                                             / whole)
         row["ready_speedup"] = (row["store_then_send"]["ready_after_prefill_s"]
                                 / max(row["pipelined"]["ready_after_prefill_s"], 1e-6))
         for method in ("store_then_send", "pipelined"):
@@ -346,8 +376,8 @@ def bench_length(model, length: int, receiver: Receiver, cases) -> dict:
               f"{row['remaining_ratio']:.3f} (target <= 0.2); TTFT early/gated "
               f"{row['ttft_early_over_gated_pipelined']:.3f} (pipelined), "
               f"{row['ttft_early_over_gated_store_then_send']:.3f} (store-then-send)", flush=True)
-  finally:
-    relay.stop()
+    finally:
+      relay.stop()
   out["load_avg_after"] = _load()
   return out
 

@@ -422,7 +422,8 @@ def main(argv):
     for name, r in results["models"].items():
       print(name, r["payload_bytes"], "bytes")
       for row, v in r["rows"].items():
-        print(f"  {row:16s} {v['goodput_gbps']:6.2f} GB/s  x{v['vs_raw_tcp']:.2f} raw  "
+        print(f"  {row:20s} {v['goodput_gbps']:6.2f} GB/s  x{v['vs_raw_tcp']:.2f} raw  "
+              f"x{v['vs_raw_tcp_kept']:.2f} raw kept  "
               f"cpu s/GB tx {v['cpu_s_per_gb_sender']:.3f} rx {v['cpu_s_per_gb_receiver']:.3f}"
               + (f"  fixed {v['fixed_cost']['median_s'] * 1e3:.2f} ms"
                  if "fixed_cost" in v else ""))

@@ -5,6 +5,10 @@ each receiver in its own process (no shared GIL), one run measures:
 
 * raw TCP (plain and TLS): the same bytes, length-prefixed, into a reused
   buffer: the ceiling;
+* raw TCP into kept memory (plain and TLS): the same objects, each read into
+  its own buffer that the receiver keeps until the whole state is in
+  (``buffers.payload_buffer``, as the data plane does): what any receiver that
+  hands the bytes to a decode step pays, with no protocol on top;
 * bare gRPC: one Push stream of prebuilt frames into a servicer that drops
   them: the floor of any gRPC-Python transport;
 * the old gRPC path (StateSender plane="grpc", 1 and N streams);
@@ -83,9 +87,14 @@ def serve_null(conn) -> None:
   server.stop(0)
 
 
-def _serve_tcp(conn, pki_dir: str | None) -> None:
+def _serve_tcp(conn, pki_dir: str | None, keep: bool = False) -> None:
   """Length-prefixed payloads into one reused buffer, acknowledged with one byte;
-  a zero-length payload is a ping (the round trip)."""
+  a zero-length payload is a ping (the round trip). ``keep``: each payload is
+  a list of object sizes and then the objects, each read into its own buffer,
+  all kept until the last one is in."""
+  from paas_jax.transport.dataplane import buffers
+  if keep:
+    buffers.retain_freed_memory()
   ctx = None
   if pki_dir:
     from paas_jax.security.tls import TLSConfig
@@ -109,6 +118,15 @@ def _serve_tcp(conn, pki_dir: str | None) -> None:
             return
           got += n
         (total,) = struct.unpack("<Q", header)
+        if keep and total:
+          sizes = bytearray(8 * total)
+          _recv_exact(sock, memoryview(sizes))
+          kept = [buffers.payload_buffer(n) for (n,) in struct.iter_unpack("<Q", sizes)]
+          for dest in kept:
+            _recv_exact(sock, memoryview(dest))
+          del kept
+          sock.sendall(b"k")
+          continue
         got = 0
         while got < total:
           # MSG_WAITALL on plaintext (the data plane reads objects the same way),
@@ -133,6 +151,16 @@ def _serve_tcp(conn, pki_dir: str | None) -> None:
   conn.send(listener.getsockname()[1])
   _cpu_loop(conn)
   listener.close()
+
+
+def _recv_exact(sock, view: memoryview) -> None:
+  got = 0
+  while got < len(view):
+    n = (sock.recv_into(view[got:]) if isinstance(sock, ssl.SSLSocket)
+         else sock.recv_into(view[got:], 0, socket.MSG_WAITALL))
+    if n == 0:
+      raise ConnectionError("sender closed")
+    got += n
 
 
 class Child:
@@ -194,9 +222,12 @@ def _tcp_client(port: int, ctx: ssl.SSLContext | None):
   return ctx.wrap_socket(sock, server_hostname="127.0.0.1") if ctx is not None else sock
 
 
-def _tcp_send(sock, views) -> None:
-  total = sum(len(v) for v in views)
+def _tcp_send(sock, views, keep: bool = False) -> None:
+  """``keep``: to a ``_serve_tcp(keep=True)`` receiver (object sizes first)."""
+  total = len(views) if keep else sum(len(v) for v in views)
   sock.sendall(struct.pack("<Q", total))
+  if keep:
+    sock.sendall(b"".join(struct.pack("<Q", len(v)) for v in views))
   for v in views:
     sock.sendall(v)
   if sock.recv(1) != b"k":
@@ -257,13 +288,18 @@ def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: boo
   for label, pki_dir in settings:
     client_ctx = dp_tls.client_context(prefill_tls) if pki_dir else None
     creds = prefill_tls.client() if pki_dir else None
-    children = [Child(_serve_tcp, pki_dir), Child(_serve_receiver, models, pki_dir)]
-    tcp, rx = children
+    children = [Child(_serve_tcp, pki_dir), Child(_serve_receiver, models, pki_dir),
+                Child(_serve_tcp, pki_dir, True)]
+    tcp, rx, tcp_kept = children
     closers = []
     try:
       sock = _tcp_client(tcp.port, client_ctx)
       closers.append(sock.close)
-      plan = [(f"raw_tcp_{label}", lambda sock=sock: _tcp_send(sock, views), tcp)]
+      kept_sock = _tcp_client(tcp_kept.port, client_ctx)
+      closers.append(kept_sock.close)
+      plan = [(f"raw_tcp_{label}", lambda sock=sock: _tcp_send(sock, views), tcp),
+              (f"raw_tcp_kept_{label}",
+               lambda sock=kept_sock: _tcp_send(sock, views, keep=True), tcp_kept)]
       if label == "plain":
         out["raw_tcp_rtt_s"] = _tcp_rtt(sock, fixed_repeats * 3)
         null = Child(serve_null)
@@ -303,8 +339,10 @@ def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: boo
       for child in children:
         child.stop()
   base = {lbl: rows[f"raw_tcp_{lbl}"]["goodput_gbps"] for lbl, _ in settings}
+  kept = {lbl: rows[f"raw_tcp_kept_{lbl}"]["goodput_gbps"] for lbl, _ in settings}
   for name, row in rows.items():
     row["vs_raw_tcp"] = row["goodput_gbps"] / base[name.rsplit("_", 1)[1]]
+    row["vs_raw_tcp_kept"] = row["goodput_gbps"] / kept[name.rsplit("_", 1)[1]]
   old = max(rows[f"grpc_{n}_plain"]["goodput_gbps"] for n in {1, streams})
   new = max(rows[f"tcp_{n}_plain"]["goodput_gbps"] for n in {1, lanes})
   out["tcp_vs_grpc_path"] = new / old

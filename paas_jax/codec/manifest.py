@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -107,12 +107,13 @@ class ArrayEntry:
     return f"{self.name}/zarr.json"
 
   def to_dict(self) -> dict:
-    # Field by field: dataclasses.asdict deep-copies every chunk entry, which
-    # was most of a tiny transfer's Commit on the sender.
-    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-    d["chunks"] = [c.to_dict() for c in self.chunks]
-    if self.source_sharding is None:
-      del d["source_sharding"]
+    # Field by field from the names listed once: dataclasses.asdict deep-copies
+    # every chunk entry and dataclasses.fields() rebuilds its tuple per call,
+    # which together were most of a tiny transfer's descriptors and Commit.
+    d = {name: getattr(self, name) for name in _ARRAY_FIELDS}
+    d["chunks"] = [{"key": c.key, "nbytes": c.nbytes, "crc32c": c.crc32c} for c in self.chunks]
+    if self.source_sharding is not None:
+      d["source_sharding"] = self.source_sharding
     return d
 
   @classmethod
@@ -127,6 +128,10 @@ class ArrayEntry:
         chunk_shape=tuple(int(x) for x in d["chunk_shape"]),
         chunks=tuple(ChunkEntry.from_dict(c) for c in d.get("chunks", ())),
         source_sharding=_source_sharding(d.get("source_sharding")))
+
+
+_ARRAY_FIELDS = tuple(f.name for f in dataclasses.fields(ArrayEntry)
+                      if f.name not in ("chunks", "source_sharding"))
 
 
 def _source_sharding(d) -> dict | None:
@@ -258,40 +263,70 @@ class StateManifest:
     return out
 
   def to_dict(self) -> dict:
-    d = {
-        "format": self.format, "version": self.version, "model_id": self.model_id,
-        "config_fingerprint": self.config_fingerprint, "token_count": self.token_count,
-        "batch": self.batch, "codec": self.codec.to_dict(),
-        "layers": [layer.to_dict() for layer in self.layers],
-        "state_arrays": self.state_arrays.to_dict(),
-    }
+    return {**self._header(), "layers": [layer.to_dict() for layer in self.layers],
+            "state_arrays": self.state_arrays.to_dict()}
+
+  def _header(self) -> dict:
+    d = {"format": self.format, "version": self.version, "model_id": self.model_id,
+         "config_fingerprint": self.config_fingerprint, "token_count": self.token_count,
+         "batch": self.batch, "codec": self.codec.to_dict()}
     if self.placements is not None:
       d["placements"] = self.placements
     return d
 
-  def to_json(self) -> str:
-    return json.dumps(self.to_dict(), sort_keys=True)
+  def to_json(self, serialized: Mapping[int, tuple[LayerEntry, str]] | None = None) -> str:
+    """The manifest as JSON.
+
+    Args:
+      serialized: groups already serialized (a sender's layer descriptors), by
+        index: (entry, ``entry.to_json()``). When every group's entry is this
+        manifest's own object, their texts are spliced in instead of encoding
+        the groups again.
+    """
+    serialized = serialized or {}
+    texts = []
+    for group in self.groups:
+      entry, text = serialized.get(group.index, (None, None))
+      if entry is not group:
+        return json.dumps(self.to_dict(), sort_keys=True)
+      texts.append(text)
+    return (json.dumps(self._header(), sort_keys=True)[:-1] + ', "layers": ['
+            + ", ".join(texts[:-1]) + '], "state_arrays": ' + texts[-1] + "}")
 
   @classmethod
-  def from_dict(cls, d: dict) -> "StateManifest":
+  def from_dict(cls, d: dict,
+                known: Mapping[int, tuple[dict, LayerEntry]] | None = None) -> "StateManifest":
+    """Args:
+      d: ``to_dict`` of a manifest (parsed JSON).
+      known: groups already parsed (a receiver's layer descriptors), by index:
+        (their parsed JSON, entry). A group whose JSON equals it is that
+        entry, not parsed again.
+    """
     if d.get("format") != FORMAT:
       raise ValueError(f"not a paas-jax state manifest (format={d.get('format')!r})")
     if int(d.get("version", -1)) != FORMAT_VERSION:
       raise ValueError(f"unsupported state manifest version {d.get('version')!r}; "
                        f"this reader understands {FORMAT_VERSION}")
-    layers = tuple(LayerEntry.from_dict(x) for x in d["layers"])
+    known = known or {}
+
+    def group(index: int, x: dict) -> LayerEntry:
+      raw, entry = known.get(index, (None, None))
+      return entry if raw is not None and raw == x else LayerEntry.from_dict(x)
+
+    layers = tuple(group(i, x) for i, x in enumerate(d["layers"]))
     for i, layer in enumerate(layers):
       if layer.index != i:
         raise ValueError(f"manifest layer {i} carries index {layer.index}")
     return cls(model_id=str(d["model_id"]), config_fingerprint=str(d["config_fingerprint"]),
                token_count=int(d["token_count"]), batch=int(d["batch"]),
                codec=CodecOptions.from_dict(d["codec"]), layers=layers,
-               state_arrays=LayerEntry.from_dict(d["state_arrays"]),
+               state_arrays=group(GLOBAL_LAYER_INDEX, d["state_arrays"]),
                placements=d.get("placements"))
 
   @classmethod
-  def from_json(cls, s: str | bytes) -> "StateManifest":
-    return cls.from_dict(json.loads(s))
+  def from_json(cls, s: str | bytes,
+                known: Mapping[int, tuple[dict, LayerEntry]] | None = None) -> "StateManifest":
+    return cls.from_dict(json.loads(s), known)
 
 
 def merge_manifests(parts: list[StateManifest]) -> StateManifest:

@@ -161,6 +161,9 @@ class Inbound:
     self.reserved = 0
     self.held = 0
     self.descriptors: dict[int, LayerEntry] = {}
+    # Each adopted descriptor's parsed JSON: Commit's manifest reuses a layer
+    # whose JSON equals it instead of parsing it again.
+    self.descriptor_json: dict[int, dict] = {}
     self.expected: dict[int, dict[str, int]] = {}  # layer -> key -> crc32c
     self.verified: dict[str, tuple[int, int]] = {}  # key -> (layer, crc32c)
     self.pending: dict[str, bytes] = {}

@@ -6,6 +6,7 @@ attempts, budgets, timelines and status codes are the same on either path."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -76,11 +77,8 @@ class FrameIngress:
     return transport_pb2.PushSummary(chunks=chunks, bytes=nbytes, rejected=rejected)
 
   def _on_descriptor(self, t: Inbound, msg) -> None:
-    try:
-      entry = LayerEntry.from_json(msg.layer_json)
-    except (ValueError, KeyError, TypeError) as e:
-      raise TransferFailed(Code.INVALID_ARGUMENT, f"layer {msg.layer_index}: bad descriptor: {e}")
-    self._adopt_descriptor(t, entry, msg.layer_index)
+    self._adopt_descriptor(t, *_parse_descriptor(msg.layer_json, msg.layer_index),
+                           msg.layer_index)
 
   def _on_chunk(self, t: Inbound, c) -> tuple[str | None, int]:
     """Stores a chunk if it verifies; returns (why it was rejected or None, bytes)."""
@@ -106,11 +104,7 @@ class FrameIngress:
   def plane_descriptor(self, t: Inbound, layer: int, layer_json: str) -> None:
     t.touch(time.monotonic())
     try:
-      try:
-        entry = LayerEntry.from_json(layer_json)
-      except (ValueError, KeyError, TypeError) as e:
-        raise TransferFailed(Code.INVALID_ARGUMENT, f"layer {layer}: bad descriptor: {e}")
-      self._adopt_descriptor(t, entry, layer)
+      self._adopt_descriptor(t, *_parse_descriptor(layer_json, layer), layer)
     except TransferFailed as e:
       self._fail(t, e.code, e.message)
       raise TransferRefused(e.code, e.message) from None
@@ -144,3 +138,12 @@ class FrameIngress:
       return self._commit(message).SerializeToString()
     except TransferFailed as e:
       raise TransferRefused(e.code, e.message) from None
+
+
+def _parse_descriptor(layer_json: str, layer: int) -> tuple[LayerEntry, dict]:
+  """A layer descriptor's entry and its parsed JSON. Raises TransferFailed."""
+  try:
+    raw = json.loads(layer_json)
+    return LayerEntry.from_dict(raw), raw
+  except (ValueError, KeyError, TypeError) as e:
+    raise TransferFailed(Code.INVALID_ARGUMENT, f"layer {layer}: bad descriptor: {e}") from None

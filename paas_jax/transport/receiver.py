@@ -289,7 +289,9 @@ class StateReceiver(FrameIngress, transport_pb2_grpc.StateTransferServicer):
                                        data_plane_port=self.data_plane_port,
                                        data_plane_control=self.data_plane_control)
 
-  def _adopt_descriptor(self, t: Inbound, entry: LayerEntry, layer_index: int) -> None:
+  def _adopt_descriptor(self, t: Inbound, entry: LayerEntry, raw: dict | None,
+                        layer_index: int) -> None:
+    """``raw``: the descriptor's parsed JSON (None: a group of Commit's manifest)."""
     if entry.index != layer_index:
       raise TransferFailed(Code.INVALID_ARGUMENT,
                     f"descriptor of layer {entry.index} sent as layer {layer_index}")
@@ -304,12 +306,16 @@ class StateReceiver(FrameIngress, transport_pb2_grpc.StateTransferServicer):
                                              f"sender but {want} in the decode model")
     with t.lock:
       old = t.descriptors.get(entry.index)
-      if old == entry:
+      if old is entry or old == entry:
         return
       if old is not None and entry.index in t.flushed:
         raise TransferFailed(Code.INVALID_ARGUMENT,
                       f"layer {entry.index} changed after all its chunks had arrived")
       t.descriptors[entry.index] = entry
+      if raw is None:
+        t.descriptor_json.pop(entry.index, None)
+      else:
+        t.descriptor_json[entry.index] = raw
       expected = {c.key: c.crc32c for _, c in entry.chunks()}
       t.expected[entry.index] = expected
       # Objects that arrived before the descriptor and disagree with it are
@@ -405,8 +411,10 @@ class StateReceiver(FrameIngress, transport_pb2_grpc.StateTransferServicer):
     t = None
     try:
       t = self._get(request.transfer_id)
+      with t.lock:
+        known = {i: (raw, t.descriptors[i]) for i, raw in t.descriptor_json.items()}
       try:
-        manifest = StateManifest.from_json(request.manifest_json)
+        manifest = StateManifest.from_json(request.manifest_json, known)
       except (ValueError, KeyError, TypeError) as e:
         raise TransferFailed(Code.INVALID_ARGUMENT, f"Commit: bad manifest: {e}") from None
       info = t.info
@@ -419,7 +427,7 @@ class StateReceiver(FrameIngress, transport_pb2_grpc.StateTransferServicer):
         raise TransferFailed(Code.INVALID_ARGUMENT, f"manifest has {len(manifest.layers)} layers, "
                                              f"Begin announced {info.num_layers}")
       for group in manifest.groups:
-        self._adopt_descriptor(t, group, group.index)
+        self._adopt_descriptor(t, group, None, group.index)
       with t.lock:
         missing = [transport_pb2.ChunkStatus(layer_index=g.index, key=c.key,
                                              reason="not received intact")

@@ -133,9 +133,13 @@ class StateSender:
         token_count=token_count, sender_id=self.sender_id)
     warm = self._warm_control_pool()
     if warm is not None:
+      # The frame limit the receiver announced at the last Begin (its options
+      # do not change while it runs); this Begin's answer comes before Commit.
+      max_frame = min(warm.announced_max_frame_bytes or self.options.max_message_bytes,
+                      self.options.max_message_bytes)
       return self._begin_transfer(
           transfer_id, recorder, warm, begin_request=request,
-          max_frame=self.options.max_message_bytes, token_count=token_count,
+          max_frame=max_frame, token_count=token_count,
           num_layers=num_layers, model_id=model_id, config_fingerprint=config_fingerprint,
           codec=codec, lengths=lengths, batch=batch)
     try:
@@ -157,6 +161,8 @@ class StateSender:
         self._abort_begun(transfer_id, "sender could not set up its data plane")
         recorder.finished("INTERNAL")
         raise
+      if pool is not None:
+        pool.announced_max_frame_bytes = int(response.max_frame_bytes)
       if pool is not None and response.data_plane_control and self.options.plane_control:
         self._control_port = int(response.data_plane_port)
     return self._begin_transfer(

@@ -66,6 +66,7 @@ class Transfer(PushStreams):
     self._abort_thread: threading.Thread | None = None
     self._done = False
     self._entries: dict[int, LayerEntry] = {}
+    self._entry_json: dict[int, tuple[LayerEntry, str]] = {}
     self._submitted: set[int] = set()
     self._chunks: dict[str, tuple[int, ChunkEntry, bytes]] = {}
     self._rejected: dict[str, str] = {}
@@ -79,14 +80,19 @@ class Transfer(PushStreams):
     self._stream: LaneStream | None = None
     # Begin and Commit ride the data connections (Begin already did when set).
     self._plane_control = begin_request is not None
+    self._begin_frame: Outgoing | None = None
     if pool is not None:
       try:
         self._stream = self._open_lane_stream()
-        if begin_request is not None:
-          self._begin_on_plane(begin_request)
       except TransferError:
         self._link.end()
         raise
+      if begin_request is not None:
+        # Pipelined: the frames follow BEGIN on its connection without waiting
+        # for its RESULT (read before Commit; a refused Begin fails the stream
+        # with Begin's status, and the frames behind it are dropped unread).
+        self._begin_frame = self._stream.call_async(plane_frames.BEGIN,
+                                                    begin_request.SerializeToString())
     else:
       self._open_streams(self._frames, resend=False)
     # Started by the first layer to encode (send_layer); already encoded groups
@@ -158,6 +164,8 @@ class Transfer(PushStreams):
       if self._stream is None:
         self._frames.close()
       self._wait_streams()
+      if self._begin_frame is not None:
+        self._begin_reply()
       missing = set(self._entries) ^ set(range(-1, self.num_layers))
       if missing:
         raise TransferError(Code.INVALID_ARGUMENT,
@@ -340,15 +348,18 @@ class Transfer(PushStreams):
     # room in the flow-control queue: it is committed to the link.
     self._link.queued_bytes(sum(chunk.nbytes for _, chunk in entry.chunks()),
                             layer_done=entry.index >= 0)
+    # Kept for the manifest, which splices the same texts in at Commit.
+    layer_json = entry.to_json()
+    self._entry_json[entry.index] = (entry, layer_json)
     if self._stream is not None:
-      self._stream.put(Outgoing(plane_frames.DESCRIPTOR, entry.index, "", 0,
-                                entry.to_json().encode(), is_chunk=False))
-      for array, chunk in entry.chunks():
-        self._stream.put(Outgoing(plane_frames.CHUNK, entry.index, chunk.key, chunk.crc32c,
-                                  group.blobs[chunk.key], is_chunk=True))
+      self._stream.put_many([Outgoing(plane_frames.DESCRIPTOR, entry.index, "", 0,
+                                      layer_json.encode(), is_chunk=False)]
+                            + [Outgoing(plane_frames.CHUNK, entry.index, chunk.key,
+                                        chunk.crc32c, group.blobs[chunk.key], is_chunk=True)
+                               for _, chunk in entry.chunks()])
       return
     descriptor = transport_pb2.Frame(layer=transport_pb2.LayerDescriptor(
-        transfer_id=self.transfer_id, layer_index=entry.index, layer_json=entry.to_json()))
+        transfer_id=self.transfer_id, layer_index=entry.index, layer_json=layer_json))
     self._frames.put((descriptor, entry.index, 0, False), 0)
     for array, chunk in entry.chunks():
       self._frames.put((self._chunk_frame(chunk.key, 0), entry.index, chunk.nbytes, True),
@@ -359,12 +370,12 @@ class Transfer(PushStreams):
 
   # -- data plane --------------------------------------------------------------------
 
-  def _begin_on_plane(self, request: transport_pb2.BeginRequest) -> None:
-    body = self._stream.call(plane_frames.BEGIN, request.SerializeToString(),
-                             timeout_s=self._options.rpc_timeout_s)
+  def _begin_reply(self) -> None:
+    """The pipelined BEGIN's RESULT (long there once the frames are drained)."""
+    body = self._stream.reply(self._begin_frame, timeout_s=self._options.rpc_timeout_s)
     response = transport_pb2.BeginResponse.FromString(body)
-    self._max_frame_bytes = min(int(response.max_frame_bytes) or self._max_frame_bytes,
-                                self._max_frame_bytes)
+    if response.max_frame_bytes:
+      self._pool.announced_max_frame_bytes = int(response.max_frame_bytes)
 
   def _open_lane_stream(self) -> LaneStream:
     return LaneStream(self._pool, self.transfer_id, lanes=self._options.lanes,
@@ -430,7 +441,7 @@ class Transfer(PushStreams):
 
   def _commit_with_retries(self, manifest: StateManifest) -> float:
     request = transport_pb2.CommitRequest(transfer_id=self.transfer_id,
-                                          manifest_json=manifest.to_json())
+                                          manifest_json=manifest.to_json(self._entry_json))
     pending = dict(self._rejected)
     rounds = 0
     while True:

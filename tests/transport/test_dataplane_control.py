@@ -224,3 +224,78 @@ def test_serving_wiring_keeps_control_on_grpc_behind_tokens(tmp_path):
   tokens = TokenSet([("ops", "t" * 24)])
   kw = dp_tls.receiver_kwargs(ServiceSecurity(tls, "decode", tokens=tokens), "decode")
   assert kw["data_plane"] and kw["data_control"] is False
+
+
+def _pipelined_begin_run(rx, config, state, monkeypatch):
+  """A 4-connection warm transfer whose Begin takes 0.3 s at the receiver.
+  Returns (error or None, the writes before Begin was answered: (lane, kind)),
+  the BEGIN frame first."""
+  sender = StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=4))
+  send(sender, config, state, codec=SMALL_CHUNKS)  # cold: gRPC Begin learns the plane
+  rx.receiver.ready.get(timeout=10)
+  real_begin = rx.receiver._begin
+  answered = threading.Event()
+
+  def slow_begin(request, peer):
+    time.sleep(0.3)
+    try:
+      return real_begin(request, peer)
+    finally:
+      answered.set()
+
+  early = []
+
+  def record(lane, item, payload):
+    if not answered.is_set():
+      early.append((lane.index, item.kind))
+    return payload
+
+  monkeypatch.setattr(rx.receiver, "_begin", slow_begin)
+  for pool in sender.data_planes:
+    pool.fault_hook = record
+    for lane in pool.lanes():
+      lane._fault_hook = record
+  try:
+    send(sender, config, state, codec=SMALL_CHUNKS)
+    return None, early
+  except TransferError as e:
+    return e, early
+  finally:
+    sender.close()
+    monkeypatch.setattr(rx.receiver, "_begin", real_begin)
+
+
+def test_frames_follow_a_pipelined_begin_on_its_connection_only(config, state, make_rx,
+                                                                monkeypatch):
+  """A warm transfer does not wait for Begin's answer: its frames leave behind
+  the BEGIN frame on that frame's connection (the receiver reads them after
+  it), and the other connections wait for the answer."""
+  rx = make_rx()
+  error, early = _pipelined_begin_run(rx, config, state, monkeypatch)
+  assert error is None
+  assert_states_match(state, rx.receiver.ready.get(timeout=10).state, N)
+  assert early[0][1] == frames.BEGIN
+  assert any(kind == frames.CHUNK for _, kind in early)  # pipelined: no round trip first
+  assert {lane for lane, _ in early} == {early[0][0]}
+  assert_clean(rx)
+
+
+def test_negative_control_ungated_pipelined_begin_fails(config, state, make_rx, monkeypatch):
+  """Negative control of the above: without the gate, frames on the other
+  connections reach the receiver before Begin and are refused."""
+  rx = make_rx()
+  real_call_async = LaneStream.call_async
+
+  def ungated(self, kind, payload):
+    item = real_call_async(self, kind, payload)
+    with self._cv:
+      self._begin_pending = False
+      self._cv.notify_all()
+    return item
+
+  monkeypatch.setattr(LaneStream, "call_async", ungated)
+  error, early = _pipelined_begin_run(rx, config, state, monkeypatch)
+  assert len({lane for lane, _ in early}) > 1
+  assert error is not None and error.code == grpc.StatusCode.NOT_FOUND
+  assert rx.receiver.ready.empty()
+  assert_clean(rx)

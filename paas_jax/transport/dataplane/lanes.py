@@ -359,6 +359,8 @@ class LanePool:
     self.window_bytes = window_bytes
     self.tuning = tuning
     self.fault_hook = None  # tests: f(lane, item, payload) -> the payload actually written
+    # BeginResponse.max_frame_bytes of the receiver's last Begin (0: none yet).
+    self.announced_max_frame_bytes = 0
     self._lock = threading.Lock()
     self._idle: list[Lane] = []
     self._all: list[Lane] = []

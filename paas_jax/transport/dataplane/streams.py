@@ -91,6 +91,10 @@ class LaneStream:
     self.resent = 0
     self.lanes_lost = 0
     self._replacements = lanes  # fresh connections allowed after deaths
+    # While a BEGIN is unanswered, only the lane that took it takes frames: on
+    # one connection the receiver reads them after BEGIN, never before.
+    self._begin_pending = False
+    self._begin_lane = None
     self._lanes = pool.checkout(lanes, transfer_id)
     for lane in self._lanes:
       lane.attach(self)
@@ -106,24 +110,41 @@ class LaneStream:
   # -- producer ------------------------------------------------------------------------
 
   def put(self, item: Outgoing) -> None:
-    item.stream = self
-    with self._cv:
-      while (self._error is None and self._queue
-             and self._queued_bytes + item.nbytes > self._max_queued):
-        if time.monotonic() > self._deadline:
-          break
-        self._cv.wait(0.1)
+    self.put_many((item,))
+
+  def put_many(self, items) -> None:
+    """Queues ``items`` in order, waking the lanes once for as many as fit
+    (so that they leave together in a lane's batched write); blocks while the
+    queue is over its byte bound (a lone frame always fits an empty queue).
+
+    Raises:
+      TransferError: the stream failed (or its deadline passed while waiting).
+    """
     self._check_deadline()
-    with self._cv:
-      if self._error is not None:
-        raise self._error
-      if self._closed:
-        raise RuntimeError("put() on a closed stream")
-      self._queue.append(item)
-      self._queued_bytes += item.nbytes
-      self._outstanding += 1
-      self.peak_bytes = max(self.peak_bytes, self._queued_bytes)
-      self._cv.notify_all()
+    pending = collections.deque(items)
+    while pending:
+      with self._cv:
+        while pending:
+          if self._error is not None:
+            raise self._error
+          if self._closed:
+            raise RuntimeError("put() on a closed stream")
+          item = pending[0]
+          if self._queue and self._queued_bytes + item.nbytes > self._max_queued:
+            break
+          pending.popleft()
+          item.stream = self
+          self._queue.append(item)
+          self._queued_bytes += item.nbytes
+          self._outstanding += 1
+        self.peak_bytes = max(self.peak_bytes, self._queued_bytes)
+        self._cv.notify_all()
+        while (pending and self._error is None and self._queue
+               and self._queued_bytes + pending[0].nbytes > self._max_queued
+               and time.monotonic() <= self._deadline):
+          self._cv.wait(0.1)
+      if pending:
+        self._check_deadline()
 
   def close(self) -> None:
     with self._cv:
@@ -177,20 +198,39 @@ class LaneStream:
       TransferError: the receiver's status (ERROR), a lost connection
         (UNAVAILABLE), DEADLINE_EXCEEDED; the stream has failed.
     """
+    return self.reply(self.call_async(kind, payload), timeout_s)
+
+  def call_async(self, kind: int, payload: bytes) -> Outgoing:
+    """Queues a control frame; ``reply`` waits for its RESULT. Frames queued
+    after a BEGIN wait for its RESULT unless they can follow it on its own
+    connection (pipelined: no round trip before the first frame leaves)."""
     if kind not in frames.CONTROL_KINDS:
       raise ValueError(f"frame kind {kind} is not a control frame")
     item = Outgoing(kind, -1, "", crc32c(payload), payload, is_chunk=False)
     item.reply = []
+    if kind == frames.BEGIN:
+      with self._cv:
+        self._begin_pending = True
+        self._begin_lane = None
     self.put(item)
+    return item
+
+  def reply(self, item: Outgoing, timeout_s: float) -> bytes:
+    """The RESULT body of a control frame from ``call_async``.
+
+    Raises:
+      TransferError: as ``call``.
+    """
     end = min(self._deadline, time.monotonic() + timeout_s)
     with self._cv:
       while self._error is None and not item.reply and time.monotonic() < end:
         self._cv.wait(0.1)
       if item.reply:
         return item.reply[0]
-    what = "BEGIN" if kind == frames.BEGIN else "COMMIT"
-    self._fail(TransferError(Code.DEADLINE_EXCEEDED, f"no reply to {what} on the data plane "
-                             f"within {timeout_s:g} s", self.transfer_id))
+    if self._error is None:
+      what = "BEGIN" if item.kind == frames.BEGIN else "COMMIT"
+      self._fail(TransferError(Code.DEADLINE_EXCEEDED, f"no reply to {what} on the data "
+                               f"plane within {timeout_s:g} s", self.transfer_id))
     raise self._error
 
   # -- lanes ---------------------------------------------------------------------------
@@ -201,9 +241,11 @@ class LaneStream:
       while True:
         if self._error is not None or lane not in self._lanes:
           return None
-        if self._queue:
+        if self._queue and (not self._begin_pending or self._begin_lane in (None, lane)):
           item = self._queue.popleft()
           self._queued_bytes -= item.nbytes
+          if item.kind == frames.BEGIN:
+            self._begin_lane = lane
           self._cv.notify_all()
           return item
         if self._closed and self._outstanding == 0:
@@ -250,6 +292,8 @@ class LaneStream:
       else:
         fail = None
         item.reply.append(body)
+        if item.kind == frames.BEGIN:
+          self._begin_pending = False
       self._outstanding -= 1
       self._cv.notify_all()
     if fail is not None:

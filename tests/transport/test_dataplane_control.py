@@ -226,10 +226,11 @@ def test_serving_wiring_keeps_control_on_grpc_behind_tokens(tmp_path):
   assert kw["data_plane"] and kw["data_control"] is False
 
 
-def _pipelined_begin_run(rx, config, state, monkeypatch):
+def _pipelined_begin_run(rx, config, state, monkeypatch, hold_begin_frame=False):
   """A 4-connection warm transfer whose Begin takes 0.3 s at the receiver.
   Returns (error or None, the writes before Begin was answered: (lane, kind)),
-  the BEGIN frame first."""
+  the BEGIN frame first. ``hold_begin_frame``: the connection that took BEGIN
+  writes it only once another connection writes a frame (or after 5 s)."""
   sender = StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=4))
   send(sender, config, state, codec=SMALL_CHUNKS)  # cold: gRPC Begin learns the plane
   rx.receiver.ready.get(timeout=10)
@@ -244,8 +245,16 @@ def _pipelined_begin_run(rx, config, state, monkeypatch):
       answered.set()
 
   early = []
+  other_lane_wrote = threading.Event()
+  begin_lanes = []
 
   def record(lane, item, payload):
+    if item.kind == frames.BEGIN:
+      begin_lanes.append(lane.index)
+      if hold_begin_frame:
+        other_lane_wrote.wait(5)
+    elif begin_lanes and lane.index != begin_lanes[-1]:
+      other_lane_wrote.set()
     if not answered.is_set():
       early.append((lane.index, item.kind))
     return payload
@@ -282,9 +291,14 @@ def test_frames_follow_a_pipelined_begin_on_its_connection_only(config, state, m
 
 def test_negative_control_ungated_pipelined_begin_fails(config, state, make_rx, monkeypatch):
   """Negative control of the above: without the gate, frames on the other
-  connections reach the receiver before Begin and are refused."""
+  connections reach the receiver before Begin and are refused. One frame per
+  write, and BEGIN held until another connection writes, so that the outcome
+  does not hang on whether one connection happened to batch every frame."""
   rx = make_rx()
   real_call_async = LaneStream.call_async
+  monkeypatch.setattr(LaneStream, "next_items",
+                      lambda self, lane, room, max_frames, max_bytes:
+                      [item for item in (self.next_item(lane),) if item is not None])
 
   def ungated(self, kind, payload):
     item = real_call_async(self, kind, payload)
@@ -294,7 +308,7 @@ def test_negative_control_ungated_pipelined_begin_fails(config, state, make_rx, 
     return item
 
   monkeypatch.setattr(LaneStream, "call_async", ungated)
-  error, early = _pipelined_begin_run(rx, config, state, monkeypatch)
+  error, early = _pipelined_begin_run(rx, config, state, monkeypatch, hold_begin_frame=True)
   assert len({lane for lane, _ in early}) > 1
   assert error is not None and error.code == grpc.StatusCode.NOT_FOUND
   assert rx.receiver.ready.empty()

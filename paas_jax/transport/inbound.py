@@ -150,6 +150,7 @@ class Inbound:
 
   def __init__(self, info: TransferInfo, template, now: float, deadline: float):
     self.info = info
+    self.begin_request = None  # the BeginRequest it began with (a repeated BEGIN's check)
     self.template = template  # (like, shardings) or None
     self.lock = threading.Lock()
     self.begin_s = time.time()  # wall clock, for timelines

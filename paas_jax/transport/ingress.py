@@ -119,13 +119,13 @@ class FrameIngress:
       raise TransferRefused(e.code, e.message) from None
     return None if reason is None else f"{location(layer, key)}: {reason}"
 
-  def plane_begin(self, request: bytes, peer: str) -> bytes:
+  def plane_begin(self, request: bytes, peer: str, repeated: bool = False) -> bytes:
     try:
       message = transport_pb2.BeginRequest.FromString(request)
     except DecodeError as e:
       raise TransferRefused(Code.INVALID_ARGUMENT, f"BEGIN frame: not a BeginRequest: {e}")
     try:
-      return self._begin(message, peer).SerializeToString()
+      return self._begin(message, peer, repeated=repeated).SerializeToString()
     except TransferFailed as e:
       raise TransferRefused(e.code, e.message) from None
 

@@ -229,8 +229,11 @@ class StateReceiver(FrameIngress, transport_pb2_grpc.StateTransferServicer):
     except TransferFailed as e:
       context.abort(e.code, e.message)
 
-  def _begin(self, request, peer: str) -> transport_pb2.BeginResponse:
-    """Begin over gRPC or the data plane. Raises TransferFailed."""
+  def _begin(self, request, peer: str, repeated: bool = False) -> transport_pb2.BeginResponse:
+    """Begin over gRPC or the data plane. ``repeated``: a data-plane BEGIN
+    sent again after its connection was lost unanswered; if this receiver
+    already began that very request, it answers as it did (the id is not
+    "already used" by anyone else). Raises TransferFailed."""
     tid = request.transfer_id
     if not tid:
       raise TransferFailed(Code.INVALID_ARGUMENT, "Begin: empty transfer_id")
@@ -266,7 +269,15 @@ class StateReceiver(FrameIngress, transport_pb2_grpc.StateTransferServicer):
                       f"{len(like_layers)}")
     now = time.monotonic()
     t = Inbound(info, template, now, now + self.options.transfer_timeout_s)
+    t.begin_request = request
+    response = transport_pb2.BeginResponse(max_frame_bytes=self.options.max_message_bytes,
+                                           data_plane_port=self.data_plane_port,
+                                           data_plane_control=self.data_plane_control)
     with self._lock:
+      began = self._active.get(tid)
+      if repeated and began is not None and began.begin_request == request:
+        t.store.close()
+        return response
       if info.sender_id:
         clock = self._sender_clocks.get(info.sender_id)
         if clock is None:
@@ -285,9 +296,7 @@ class StateReceiver(FrameIngress, transport_pb2_grpc.StateTransferServicer):
       t.reserved = reserve
       self._reserved_total += reserve
       self._active[tid] = t
-    return transport_pb2.BeginResponse(max_frame_bytes=self.options.max_message_bytes,
-                                       data_plane_port=self.data_plane_port,
-                                       data_plane_control=self.data_plane_control)
+    return response
 
   def _adopt_descriptor(self, t: Inbound, entry: LayerEntry, raw: dict | None,
                         layer_index: int) -> None:

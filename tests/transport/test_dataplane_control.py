@@ -237,10 +237,10 @@ def _pipelined_begin_run(rx, config, state, monkeypatch, hold_begin_frame=False)
   real_begin = rx.receiver._begin
   answered = threading.Event()
 
-  def slow_begin(request, peer):
+  def slow_begin(request, peer, **kwargs):
     time.sleep(0.3)
     try:
-      return real_begin(request, peer)
+      return real_begin(request, peer, **kwargs)
     finally:
       answered.set()
 
@@ -311,5 +311,67 @@ def test_negative_control_ungated_pipelined_begin_fails(config, state, make_rx, 
   error, early = _pipelined_begin_run(rx, config, state, monkeypatch, hold_begin_frame=True)
   assert len({lane for lane, _ in early}) > 1
   assert error is not None and error.code == grpc.StatusCode.NOT_FOUND
+  assert rx.receiver.ready.empty()
+  assert_clean(rx)
+
+
+def _begin_lane_lost_run(rx, config, state, monkeypatch, idempotent=True):
+  """A 3-connection warm transfer whose BEGIN connection dies after the
+  receiver ran Begin and before its answer left: the sender sends BEGIN (and
+  the frames behind it) again on another connection. ``idempotent=False``:
+  the receiver treats the repeated BEGIN as a new one. Returns (error or
+  None, begin calls as (repeated, registered))."""
+  sender = StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=3))
+  send(sender, config, state, codec=SMALL_CHUNKS)  # cold: gRPC Begin learns the plane
+  rx.receiver.ready.get(timeout=10)
+  real_begin = rx.receiver._begin
+  begin_lanes, calls = [], []
+
+  def note_begin_lane(lane, item, payload):
+    if item.kind == frames.BEGIN:
+      begin_lanes.append(lane)
+    return payload
+
+  def begin_then_lose_connection(request, peer, repeated=False):
+    try:
+      return real_begin(request, peer, repeated=repeated and idempotent)
+    finally:
+      calls.append((repeated, request.transfer_id in rx.receiver._active))
+      if len(calls) == 1:
+        begin_lanes[0].sock.shutdown(socket.SHUT_RDWR)  # the answer cannot reach it
+
+  monkeypatch.setattr(rx.receiver, "_begin", begin_then_lose_connection)
+  for pool in sender.data_planes:
+    for lane in pool.lanes():
+      lane._fault_hook = note_begin_lane
+  try:
+    send(sender, config, state, codec=SMALL_CHUNKS)
+    return None, calls
+  except TransferError as e:
+    return e, calls
+  finally:
+    sender.close()
+    monkeypatch.setattr(rx.receiver, "_begin", real_begin)
+
+
+def test_begin_resent_when_its_connection_dies_unanswered(config, state, make_rx, monkeypatch):
+  """A pipelined BEGIN whose connection dies before the answer: it is sent
+  again (attempt > 0), the receiver answers as it did, the transfer completes."""
+  rx = make_rx()
+  error, calls = _begin_lane_lost_run(rx, config, state, monkeypatch)
+  assert error is None
+  assert calls == [(False, True), (True, True)]
+  assert_states_match(state, rx.receiver.ready.get(timeout=10).state, N)
+  assert_clean(rx)
+
+
+def test_negative_control_repeated_begin_not_recognised_fails(config, state, make_rx,
+                                                             monkeypatch):
+  """Negative control of the above: a receiver that takes the repeated BEGIN
+  for a new one refuses the transfer id as already used."""
+  rx = make_rx()
+  error, calls = _begin_lane_lost_run(rx, config, state, monkeypatch, idempotent=False)
+  assert [repeated for repeated, _ in calls] == [False, True]
+  assert error is not None and error.code == grpc.StatusCode.ALREADY_EXISTS
   assert rx.receiver.ready.empty()
   assert_clean(rx)

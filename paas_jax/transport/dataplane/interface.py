@@ -48,9 +48,12 @@ class FrameSink(Protocol):
     rejected (the sender resends it), or None when it is kept. Raises
     TransferRefused when the transfer fails."""
 
-  def plane_begin(self, request: bytes, peer: str) -> bytes:
+  def plane_begin(self, request: bytes, peer: str, repeated: bool = False) -> bytes:
     """A serialized ``BeginRequest`` arrived (BEGIN frame); returns the
-    serialized ``BeginResponse``. Raises TransferRefused with Begin's status."""
+    serialized ``BeginResponse``. ``repeated``: the sender sent this BEGIN
+    again after losing the connection that carried it unanswered, so the sink
+    may have run it already (then it answers as it did). Raises
+    TransferRefused with Begin's status."""
 
   def plane_commit(self, request: bytes) -> bytes:
     """A serialized ``CommitRequest`` arrived (COMMIT frame); returns the

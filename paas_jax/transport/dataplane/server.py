@@ -202,7 +202,7 @@ class DataPlaneServer:
         data = bytearray(length)
         frames.recv_exact(sock, memoryview(data), waitall)
         acks.flush()  # replies stay in frame order
-        self._reply(sock, self._control(kind, seq, tid, crc, data, peer))
+        self._reply(sock, self._control(kind, seq, tid, crc, data, peer, attempt))
         continue
       try:
         handle = sink.plane_lookup(tid)
@@ -233,7 +233,7 @@ class DataPlaneServer:
         self._reply(sock, frames.pack_reply(seq, frames.NACK, Code.DATA_LOSS, reason))
 
   def _control(self, kind: int, seq: int, tid: str, crc: int, data: bytearray,
-               peer: str) -> bytes:
+               peer: str, attempt: int) -> bytes:
     """The reply to a BEGIN / COMMIT frame (the connection stays usable)."""
     what = "BEGIN" if kind == frames.BEGIN else "COMMIT"
     if not self.control:
@@ -246,7 +246,8 @@ class DataPlaneServer:
                                f"{what} frame of transfer {tid}: crc32c mismatch (data has "
                                f"0x{got:08x}, frame says 0x{crc:08x})")
     try:
-      body = (self.sink.plane_begin(bytes(data), peer) if kind == frames.BEGIN
+      body = (self.sink.plane_begin(bytes(data), peer, repeated=attempt > 0)
+              if kind == frames.BEGIN
               else self.sink.plane_commit(bytes(data)))
       return frames.pack_result(seq, body)
     except TransferRefused as e:

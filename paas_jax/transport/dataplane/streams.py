@@ -325,15 +325,13 @@ class LaneStream:
       self._fail(TransferError(exc.code, f"data plane refused the connection: "
                                f"{exc.message}", self.transfer_id))
       return
-    control = [i for i in items if i.reply is not None]
-    if control:
-      # The receiver may have run it: a resend could begin or commit twice.
+    if any(i.kind == frames.COMMIT for i in items):
+      # The receiver may have run it: a resend could commit twice.
       with self._cv:
         if lane in self._lanes:
           self._lanes.remove(lane)
           self.lanes_lost += 1
-      what = "BEGIN" if control[0].kind == frames.BEGIN else "COMMIT"
-      self._fail(TransferError(Code.UNAVAILABLE, f"data-plane connection lost while {what} "
+      self._fail(TransferError(Code.UNAVAILABLE, "data-plane connection lost while COMMIT "
                                f"was unanswered: {exc}", self.transfer_id))
       return
     replace = False
@@ -348,6 +346,13 @@ class LaneStream:
         self.resent += 1
         self._queue.appendleft(item)
         self._queued_bytes += item.nbytes
+        if item.kind == frames.BEGIN:
+          # Sent again first, with the frames that followed it, on whichever
+          # lane takes it (gated as before); attempt > 0 tells the receiver
+          # it may have run it already, and it answers as it did then.
+          item.attempt += 1
+          self._begin_pending = True
+          self._begin_lane = None
       self._cv.notify_all()
       if not self._lanes:
         if self._replacements <= 0:

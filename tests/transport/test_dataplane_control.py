@@ -226,23 +226,44 @@ def test_serving_wiring_keeps_control_on_grpc_behind_tokens(tmp_path):
   assert kw["data_plane"] and kw["data_control"] is False
 
 
+def _warm_send(rx, config, state, monkeypatch, *, lanes, wrap_begin, write_hook):
+  """A warm transfer over ``lanes`` connections (after a cold one that learns
+  the plane), the receiver's Begin replaced by ``wrap_begin(real_begin)`` and
+  ``write_hook`` on every connection. Returns the TransferError, or None."""
+  sender = StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=lanes))
+  send(sender, config, state, codec=SMALL_CHUNKS)  # cold: gRPC Begin learns the plane
+  rx.receiver.ready.get(timeout=10)
+  real_begin = rx.receiver._begin
+  monkeypatch.setattr(rx.receiver, "_begin", wrap_begin(real_begin))
+  for pool in sender.data_planes:
+    pool.fault_hook = write_hook
+    for lane in pool.lanes():
+      lane._fault_hook = write_hook
+  try:
+    send(sender, config, state, codec=SMALL_CHUNKS)
+    return None
+  except TransferError as e:
+    return e
+  finally:
+    sender.close()
+    monkeypatch.setattr(rx.receiver, "_begin", real_begin)
+
+
 def _pipelined_begin_run(rx, config, state, monkeypatch, hold_begin_frame=False):
   """A 4-connection warm transfer whose Begin takes 0.3 s at the receiver.
   Returns (error or None, the writes before Begin was answered: (lane, kind)),
   the BEGIN frame first. ``hold_begin_frame``: the connection that took BEGIN
   writes it only once another connection writes a frame (or after 5 s)."""
-  sender = StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=4))
-  send(sender, config, state, codec=SMALL_CHUNKS)  # cold: gRPC Begin learns the plane
-  rx.receiver.ready.get(timeout=10)
-  real_begin = rx.receiver._begin
   answered = threading.Event()
 
-  def slow_begin(request, peer, **kwargs):
-    time.sleep(0.3)
-    try:
-      return real_begin(request, peer, **kwargs)
-    finally:
-      answered.set()
+  def wrap_begin(real_begin):
+    def slow_begin(request, peer, **kwargs):
+      time.sleep(0.3)
+      try:
+        return real_begin(request, peer, **kwargs)
+      finally:
+        answered.set()
+    return slow_begin
 
   early = []
   other_lane_wrote = threading.Event()
@@ -259,19 +280,9 @@ def _pipelined_begin_run(rx, config, state, monkeypatch, hold_begin_frame=False)
       early.append((lane.index, item.kind))
     return payload
 
-  monkeypatch.setattr(rx.receiver, "_begin", slow_begin)
-  for pool in sender.data_planes:
-    pool.fault_hook = record
-    for lane in pool.lanes():
-      lane._fault_hook = record
-  try:
-    send(sender, config, state, codec=SMALL_CHUNKS)
-    return None, early
-  except TransferError as e:
-    return e, early
-  finally:
-    sender.close()
-    monkeypatch.setattr(rx.receiver, "_begin", real_begin)
+  error = _warm_send(rx, config, state, monkeypatch, lanes=4, wrap_begin=wrap_begin,
+                     write_hook=record)
+  return error, early
 
 
 def test_frames_follow_a_pipelined_begin_on_its_connection_only(config, state, make_rx,
@@ -321,10 +332,6 @@ def _begin_lane_lost_run(rx, config, state, monkeypatch, idempotent=True):
   the frames behind it) again on another connection. ``idempotent=False``:
   the receiver treats the repeated BEGIN as a new one. Returns (error or
   None, begin calls as (repeated, registered))."""
-  sender = StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=3))
-  send(sender, config, state, codec=SMALL_CHUNKS)  # cold: gRPC Begin learns the plane
-  rx.receiver.ready.get(timeout=10)
-  real_begin = rx.receiver._begin
   begin_lanes, calls = [], []
 
   def note_begin_lane(lane, item, payload):
@@ -332,26 +339,19 @@ def _begin_lane_lost_run(rx, config, state, monkeypatch, idempotent=True):
       begin_lanes.append(lane)
     return payload
 
-  def begin_then_lose_connection(request, peer, repeated=False):
-    try:
-      return real_begin(request, peer, repeated=repeated and idempotent)
-    finally:
-      calls.append((repeated, request.transfer_id in rx.receiver._active))
-      if len(calls) == 1:
-        begin_lanes[0].sock.shutdown(socket.SHUT_RDWR)  # the answer cannot reach it
+  def wrap_begin(real_begin):
+    def begin_then_lose_connection(request, peer, repeated=False):
+      try:
+        return real_begin(request, peer, repeated=repeated and idempotent)
+      finally:
+        calls.append((repeated, request.transfer_id in rx.receiver._active))
+        if len(calls) == 1:
+          begin_lanes[0].sock.shutdown(socket.SHUT_RDWR)  # the answer cannot reach it
+    return begin_then_lose_connection
 
-  monkeypatch.setattr(rx.receiver, "_begin", begin_then_lose_connection)
-  for pool in sender.data_planes:
-    for lane in pool.lanes():
-      lane._fault_hook = note_begin_lane
-  try:
-    send(sender, config, state, codec=SMALL_CHUNKS)
-    return None, calls
-  except TransferError as e:
-    return e, calls
-  finally:
-    sender.close()
-    monkeypatch.setattr(rx.receiver, "_begin", real_begin)
+  error = _warm_send(rx, config, state, monkeypatch, lanes=3, wrap_begin=wrap_begin,
+                     write_hook=note_begin_lane)
+  return error, calls
 
 
 def test_begin_resent_when_its_connection_dies_unanswered(config, state, make_rx, monkeypatch):

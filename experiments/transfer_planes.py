@@ -92,7 +92,7 @@ def _serve_tcp(conn, pki_dir: str | None, keep: bool = False) -> None:
   a zero-length payload is a ping (the round trip). ``keep``: each payload is
   a list of object sizes and then the objects, each read into its own buffer,
   all kept until the last one is in."""
-  from paas_jax.transport.dataplane import buffers
+  from paas_jax.transport.dataplane import buffers, frames
   if keep:
     buffers.retain_freed_memory()
   ctx = None
@@ -120,10 +120,10 @@ def _serve_tcp(conn, pki_dir: str | None, keep: bool = False) -> None:
         (total,) = struct.unpack("<Q", header)
         if keep and total:
           sizes = bytearray(8 * total)
-          _recv_exact(sock, memoryview(sizes))
+          frames.recv_exact(sock, memoryview(sizes), waitall=ctx is None)
           kept = [buffers.payload_buffer(n) for (n,) in struct.iter_unpack("<Q", sizes)]
           for dest in kept:
-            _recv_exact(sock, memoryview(dest))
+            frames.recv_exact(sock, memoryview(dest), waitall=ctx is None)
           del kept
           sock.sendall(b"k")
           continue
@@ -151,16 +151,6 @@ def _serve_tcp(conn, pki_dir: str | None, keep: bool = False) -> None:
   conn.send(listener.getsockname()[1])
   _cpu_loop(conn)
   listener.close()
-
-
-def _recv_exact(sock, view: memoryview) -> None:
-  got = 0
-  while got < len(view):
-    n = (sock.recv_into(view[got:]) if isinstance(sock, ssl.SSLSocket)
-         else sock.recv_into(view[got:], 0, socket.MSG_WAITALL))
-    if n == 0:
-      raise ConnectionError("sender closed")
-    got += n
 
 
 class Child:

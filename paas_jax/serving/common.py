@@ -220,15 +220,20 @@ def with_dtype(model, dtype: str):
                                     for k, v in have.items()})
 
 
-def write_ready_file(path: str | None, info: dict) -> None:
-  """Atomically writes ``info`` (ports, pid) as JSON: the parent's readiness signal."""
-  if not path:
-    return
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+  """Writes ``text`` to a temporary file renamed over ``path``: a reader, or a
+  process killed mid-write, sees the old content or the new, never a part."""
   p = pathlib.Path(path)
   p.parent.mkdir(parents=True, exist_ok=True)
   tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
-  tmp.write_text(json.dumps(info))
+  tmp.write_text(text)
   os.replace(tmp, p)
+
+
+def write_ready_file(path: str | None, info: dict) -> None:
+  """Atomically writes ``info`` (ports, pid) as JSON: the parent's readiness signal."""
+  if path:
+    write_text_atomic(path, json.dumps(info))
 
 
 def wait_for_termination(on_stop: Callable[[], None]) -> None:

@@ -43,6 +43,7 @@ from ray.util.placement_group import (placement_group, placement_group_table,
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from paas_jax.serving.child_process import LaunchError, stop_process
+from paas_jax.serving.common import write_text_atomic
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -117,7 +118,8 @@ class ServerProcess:
       self.restarts = int(restarts_file.read_text()) + 1 if restarts_file.exists() else 1
       pins = json.loads(self.pins_file.read_text()) if self.pins_file.exists() else {}
       args = restart_args(args, pins)
-    restarts_file.write_text(str(self.restarts))
+    # Atomic: the actor may be killed at any moment, and its restart reads these.
+    write_text_atomic(restarts_file, str(self.restarts))
     self.ready_file.unlink(missing_ok=True)
     self.info: dict = {}
     self.returncode: int | None = None
@@ -172,7 +174,8 @@ class ServerProcess:
         raise LaunchError(f"{self.name} not ready after {timeout_s:.0f} s")
       time.sleep(0.1)
     info = json.loads(self.ready_file.read_text())
-    self.pins_file.write_text(json.dumps({k: info.get(k.lstrip("-")) for k in _PINNED_FLAGS}))
+    write_text_atomic(self.pins_file,
+                      json.dumps({k: info.get(k.lstrip("-")) for k in _PINNED_FLAGS}))
     self.info = info
     return dict(info, **self.where())
 

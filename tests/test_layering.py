@@ -74,7 +74,8 @@ def test_importing_the_pod_processes_starts_no_jax_backend():
   # A pod process imports everything, then calls jax.distributed.initialize, which
   # refuses once a backend exists: no module may create arrays at import time.
   assert not _starts_a_backend("paas_jax.serving.pod_worker",
-                               "paas_jax.serving.pod_prefill_server", "paas_jax.models.api",
+                               "paas_jax.serving.pod_prefill_server",
+                               "paas_jax.serving.slice_decode_server", "paas_jax.models.api",
                                "paas_jax.serving.decode_engine", "paas_jax.serving.prefill_engine")
   # Negative control: a module-level array does start one.
   assert _starts_a_backend("paas_jax.models.api", "tests.layering_jnp_constant")

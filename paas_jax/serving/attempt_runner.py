@@ -298,7 +298,8 @@ class AttemptRunner:
     preq = serving_pb2.PrefillRequest(
         request_id=downstream_id, model=self.model_name, prompt_ids=prompt,
         sampling=sampling_msg(params), seed=params.seed,
-        decode_target=state_target, codec_json=self.codec_json,
+        decode_target=state_target, decode_slice=target.decode_slice,
+        codec_json=self.codec_json,
         tenant=self.tenant, decode_held_tokens=accepted.held_tokens,
         **logprobs.wire_fields(params.logprobs))
     pcall = pstub.Prefill(preq, timeout=common.remaining_s(context), metadata=md)

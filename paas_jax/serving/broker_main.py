@@ -17,6 +17,7 @@ from paas_jax.serving import common
 from paas_jax.serving import pd_roles
 from paas_jax.serving.broker import (MAX_ATTEMPTS, MAX_REQUEST_BYTES, DecodeTarget,
                                      model_config_from_decode, start)
+from paas_jax.serving.control_plane import served_model_of
 from paas_jax.serving.routing import make_policy
 from paas_jax.serving.tokenizer import served_text
 
@@ -35,8 +36,11 @@ def main(argv):
   local = list(FLAGS.decode_local_transfer) or [""] * len(FLAGS.decode)
   if len(local) != len(FLAGS.decode):
     raise app.UsageError("--decode_local_transfer needs one entry per --decode")
-  targets = [DecodeTarget(c, t, lt)
-             for c, t, lt in zip(FLAGS.decode, FLAGS.decode_transfer, local)]
+  try:
+    targets = [DecodeTarget.parse(c, t, lt)
+               for c, t, lt in zip(FLAGS.decode, FLAGS.decode_transfer, local)]
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   try:
     roles = (pd_roles.validate_roles(FLAGS.pd_roles) if FLAGS.pd_roles
              else pd_roles.default_roles(len(targets), FLAGS.pd_prefill_nodes))
@@ -45,6 +49,10 @@ def main(argv):
   threshold = float("inf") if FLAGS.threshold < 0 else FLAGS.threshold
   for target in list(FLAGS.prefill) + list(FLAGS.decode):
     common.wait_healthy(target, FLAGS.wait_s, credentials=channel_creds)
+  try:  # a decode slice takes state on every process: where region A sends its parts
+    targets = [t.with_slice(served_model_of(t.control, channel_creds).slice) for t in targets]
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   config = (load_config(FLAGS.config) if FLAGS.config
             else model_config_from_decode(FLAGS.decode[0], channel_creds))
   text = served_text(config, FLAGS.checkpoint, FLAGS.tokenizer, FLAGS.served_model_name,
@@ -94,7 +102,9 @@ def define_flags() -> None:
                     "link); off: such decisions fall back to the scarce rule.")
   flags.DEFINE_list("decode_transfer", [],
                     "Each decode server's StateTransfer address as reached from the prefill "
-                    "region (e.g. the WAN relay).")
+                    "region (e.g. the WAN relay); a decode slice's processes' addresses "
+                    "joined by '+' by rank (one address: process 0's, the others' as the "
+                    "slice announces them).")
   flags.DEFINE_list("decode_local_transfer", [],
                     "Each decode server's StateTransfer address inside the PD region (PD-P "
                     "node -> PD-D node states; empty: --decode_transfer).")

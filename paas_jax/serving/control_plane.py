@@ -205,11 +205,16 @@ def probe_request(prompt: Sequence[int] = (), *, hashes: Sequence[bytes] = (),
   return serving_pb2.PrefixProbeRequest(prompt_ids=list(prompt))
 
 
+def served_model_of(target: str, credentials: grpc.ChannelCredentials | None = None
+                    ) -> serving_pb2.ServedModel:
+  """A decode server's ``GetModel`` answer (its config, and its slice if it is one)."""
+  with common.make_channel(target, credentials) as ch:
+    return serving_pb2_grpc.DecodeStub(ch).GetModel(serving_pb2.ModelRequest(),
+                                                    timeout=common.CONTROL_TIMEOUT_S)
+
+
 def model_config_from_decode(target: str, credentials: grpc.ChannelCredentials | None = None):
   """The served model's config as a decode server reports it (``GetModel``; a
   broker serving a checkpoint). Raises ``InvalidServedModel`` for a config
   that does not match the fingerprint the server announced."""
-  with common.make_channel(target, credentials) as ch:
-    served = serving_pb2_grpc.DecodeStub(ch).GetModel(serving_pb2.ModelRequest(),
-                                                      timeout=common.CONTROL_TIMEOUT_S)
-  return model_config(served, ModelConfig.from_dict)
+  return model_config(served_model_of(target, credentials), ModelConfig.from_dict)

@@ -56,6 +56,18 @@ def request_params(msg) -> RequestParams:
                        logprobs=requested_logprobs(msg.logprobs, msg.top_logprobs))
 
 
+def request_prompt(msg) -> tuple[int, ...]:
+  """The prompt a Decode request stands for: its ``prompt_ids``, or for a remote
+  request without them ``prompt_len`` placeholders (what validation needs).
+  Raises InvalidRequestError for a remote request whose two disagree."""
+  if not msg.remote_prefill:
+    return tuple(int(t) for t in msg.prompt_ids)
+  prompt_len = int(msg.prompt_len) or len(msg.prompt_ids)
+  if msg.prompt_ids and len(msg.prompt_ids) != prompt_len:
+    raise InvalidRequestError(f"prompt_len {prompt_len} != {len(msg.prompt_ids)} prompt_ids")
+  return tuple(int(t) for t in msg.prompt_ids) or (0,) * prompt_len
+
+
 class DecodeServicer(serving_pb2_grpc.DecodeServicer):
   """Registers requests with the scheduler and streams their events."""
 
@@ -172,17 +184,12 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     try:
       check_request_identity(request, self.config, "decode server")
       params = request_params(request)
+      prompt = request_prompt(request)
       if request.remote_prefill:
-        prompt_len = int(request.prompt_len) or len(request.prompt_ids)
-        if request.prompt_ids and len(request.prompt_ids) != prompt_len:
-          raise InvalidRequestError(f"prompt_len {prompt_len} != {len(request.prompt_ids)} "
-                                    "prompt_ids")
-        prompt = tuple(request.prompt_ids) or (0,) * prompt_len
         validate_request(self.config, prompt, params, self.engine.max_ctx)
-        job = DecodeJob(request.request_id, params, prompt_len, remote=True)
-        self.intake.expect(request.request_id, prompt_len)
+        job = DecodeJob(request.request_id, params, len(prompt), remote=True)
+        self.intake.expect(request.request_id, len(prompt))
       else:
-        prompt = tuple(int(t) for t in request.prompt_ids)
         validate_request(self.config, prompt, params, self.engine.max_ctx)
         job = DecodeJob(request.request_id, params, len(prompt), remote=False, prompt=prompt)
         if request.resume_from:
@@ -265,20 +272,10 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         return
 
   def Handoff(self, request, context):
-    if not request.request_id:
-      context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-    if not 0 <= request.first_token < self.config.vocab_size:
-      context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                    f"first_token {request.first_token} outside the vocabulary")
-    probe = None
-    if request.HasField("probe"):
-      try:
-        probe = handoff_probe.from_proto(request.probe)
-      except ValueError as e:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"probe: {e}")
-      if probe.token != request.first_token:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"probe.token {probe.token} is not first_token {request.first_token}")
+    try:
+      probe = handoff_probe.handoff_probe_of(request, self.config.vocab_size)
+    except ValueError as e:
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     try:
       first_lp = logprobs.handoff_logprob(request, self.config.vocab_size,
                                           self.scheduler.wanted_logprobs(request.request_id))

@@ -49,6 +49,29 @@ def from_proto(msg: serving_pb2.LogitProbe) -> logit_probe.LogitProbe:
                                 dtype=msg.dtype or "float32")
 
 
+def handoff_probe_of(request: serving_pb2.HandoffRequest, vocab_size: int
+                     ) -> logit_probe.LogitProbe | None:
+  """A ``HandoffRequest``'s checked ids and probe (None: unverified).
+
+  Raises:
+    ValueError: no request id, a first token outside the vocabulary, a
+      malformed probe, or one for another token (the message says which).
+  """
+  if not request.request_id:
+    raise ValueError("request_id is required")
+  if not 0 <= request.first_token < vocab_size:
+    raise ValueError(f"first_token {request.first_token} outside the vocabulary")
+  if not request.HasField("probe"):
+    return None
+  try:
+    probe = from_proto(request.probe)
+  except ValueError as e:
+    raise ValueError(f"probe: {e}") from None
+  if probe.token != request.first_token:
+    raise ValueError(f"probe.token {probe.token} is not first_token {request.first_token}")
+  return probe
+
+
 def make(model, output) -> serving_pb2.LogitProbe:
   """The prefill side's probe of a ``PrefillOutput`` (one decode step)."""
   return to_proto(logit_probe.make_probe(model, output.state, output.first_token))

@@ -128,6 +128,12 @@ class ClusterSpec:
   prefill_pod: int = 1
   prefill_pod_devices: int = 1
   prefill_pod_fault: str = ""
+  # Region B's decode server as a slice of this many processes (one JAX
+  # program, TP over decode_slice x decode_slice_devices devices; serving/
+  # slice_decode_server.py; 1: the single-process decode server). A slice
+  # runs without a relay (link None), as region B's only PD node.
+  decode_slice: int = 1
+  decode_slice_devices: int = 1
 
 
 class LocalCluster:
@@ -187,6 +193,10 @@ class LocalCluster:
         raise LaunchError(f"pd_nodes must be >= 1, got {spec.pd_nodes}")
       if not 1 <= spec.decode_regions <= 8:
         raise LaunchError(f"decode_regions must be in [1, 8], got {spec.decode_regions}")
+      try:
+        launch_args.check_decode_slice(spec)
+      except ValueError as e:
+        raise LaunchError(str(e)) from None
       a_host, b_host = self._place()
       self.a_host = a_host
       prefix = self.netns.exec_prefix() if self.netns is not None else []
@@ -233,6 +243,8 @@ class LocalCluster:
     pd_info = [self.procs[n].info for n in pd_names]
     pd_local = [f"{local}:{d['transfer_port']}" for d in pd_info]
     pd_wan = [transfer_target] + pd_local[1:]
+    if spec.decode_slice > 1:  # region A sends each slice process its own parts
+      pd_wan = ["+".join(pd_info[0]["slice_transfer"])]
     if link is not None:
       relay_link = (dataclasses.replace(link, shape_bandwidth=False)
                     if self.netns is not None else link)

@@ -64,9 +64,34 @@ def prefill_args(spec, host: str) -> list[str]:
   return args + list(spec.prefill_args)
 
 
+def check_decode_slice(spec) -> None:
+  """Raises ``ValueError`` for a decode slice in a deployment it does not fit."""
+  if spec.decode_slice < 1 or spec.decode_slice_devices < 1:
+    raise ValueError(f"decode_slice ({spec.decode_slice}) and decode_slice_devices "
+                     f"({spec.decode_slice_devices}) must be >= 1")
+  if spec.decode_slice == 1:
+    return
+  unfit = {"an emulated link (a relay route per slice process)": spec.link is not None
+           or any(spec.region_links), "pd_nodes > 1": spec.pd_nodes > 1,
+           "decode_regions > 1": spec.decode_regions > 1, "flaky_wan": spec.flaky_wan,
+           "decode_faults": bool(spec.decode_faults), "prefix_block": spec.prefix_block > 0,
+           "a single-process prefill server (a slice takes a pod's parts)":
+           spec.prefill_pod < 2}
+  named = [k for k, v in unfit.items() if v]
+  if named:
+    raise ValueError(f"a decode slice (decode_slice={spec.decode_slice}) is launched without "
+                     f"{', '.join(named)}")
+
+
 def decode_args(spec, host: str, data_plane_host: str | None) -> list[str]:
   """A PD node (decode server). ``data_plane_host``: bind the data plane there
   (a relay takes the announced port on the address region A dials)."""
+  if spec.decode_slice > 1:  # region B as a slice of processes (slice_decode_server)
+    return ["-m", "paas_jax.serving.slice_decode_server", *server_args(spec, host),
+            "--transfer_port=0", f"--max_queue={spec.max_queue}",
+            f"--transfer_plane={spec.transfer_plane}",
+            f"--slice_processes={spec.decode_slice}",
+            f"--slice_devices={spec.decode_slice_devices}", *spec.decode_args]
   args = ["-m", "paas_jax.serving.decode_server", *server_args(spec, host),
           "--transfer_port=0", f"--n_slots={spec.n_slots}", f"--page_size={spec.page_size}",
           f"--num_pages={spec.num_pages}", f"--max_queue={spec.max_queue}",

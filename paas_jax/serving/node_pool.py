@@ -36,7 +36,7 @@ from typing import Sequence
 import grpc
 
 from paas_jax.observability.health import FAST_RECONNECT, HealthMonitor
-from paas_jax.proto import serving_pb2_grpc
+from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.serving import common
 from paas_jax.serving import pd_roles
 
@@ -46,17 +46,68 @@ log = logging.getLogger("paas_jax.serving.broker")
 @dataclasses.dataclass(frozen=True)
 class DecodeTarget:
   """A decode server: its control address (from the broker) and the address of
-  its StateTransfer port as the prefill region reaches it (e.g. via the WAN)."""
+  its StateTransfer port as the prefill region reaches it (e.g. via the WAN).
+
+  A decode slice of several processes (``slice_decode_server``) takes state on
+  every process: ``slice`` lists their StateTransfer addresses as region A
+  dials them (``transfer`` is the first), ``slice_devices`` the devices each
+  owns; ``with_slice`` fills them from what the node announces."""
 
   control: str
   transfer: str
   # Its StateTransfer address inside region B (PD-P node -> PD-D node states
   # never cross the WAN relay); empty: same as ``transfer``.
   local_transfer: str = ""
+  slice: tuple[str, ...] = ()
+  slice_devices: int = 0
 
   @property
   def intra_transfer(self) -> str:
     return self.local_transfer or self.transfer
+
+  @property
+  def decode_slice(self) -> serving_pb2.DecodeSlice | None:
+    """``PrefillRequest.decode_slice`` for this node (None: one decode process)."""
+    if not self.slice:
+      return None
+    return serving_pb2.DecodeSlice(transfer_targets=list(self.slice),
+                                   devices_per_process=self.slice_devices)
+
+  @classmethod
+  def parse(cls, control: str, transfer: str, local_transfer: str = "") -> "DecodeTarget":
+    """From the broker's flags: ``transfer`` may list a slice's processes'
+    addresses joined by ``+`` (by rank, as region A dials them)."""
+    dial = tuple(a for a in transfer.split("+"))
+    if not all(dial):
+      raise ValueError(f"empty address in decode transfer entry {transfer!r}")
+    return cls(control, dial[0], local_transfer, dial if len(dial) > 1 else ())
+
+  def with_slice(self, announced: serving_pb2.DecodeSlice | None) -> "DecodeTarget":
+    """This target once its node answered GetModel (``ServedModel.slice``;
+    None or empty: a single decode process). Pure.
+
+    A slice given one transfer address is dialled there for process 0 and
+    at its own announced addresses for the others; given a ``+`` list, that
+    list must have one address per slice process.
+
+    Raises:
+      ValueError: the node and the broker's entry disagree.
+    """
+    if announced is None or not announced.transfer_targets:
+      if self.slice:
+        raise ValueError(f"decode node {self.control} is one process, but its transfer "
+                         f"entry lists {len(self.slice)} addresses")
+      return self
+    own = tuple(announced.transfer_targets)
+    dial = self.slice or (self.transfer,) + own[1:]
+    if len(dial) != len(own):
+      raise ValueError(f"decode node {self.control} is a slice of {len(own)} processes, "
+                       f"but its transfer entry lists {len(dial)} addresses")
+    if announced.devices_per_process < 1:
+      raise ValueError(f"decode slice {self.control} announced "
+                       f"{announced.devices_per_process} devices per process")
+    return dataclasses.replace(self, slice=dial,
+                               slice_devices=int(announced.devices_per_process))
 
 
 class NodeKind(enum.StrEnum):

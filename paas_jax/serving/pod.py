@@ -232,6 +232,13 @@ def _sharded_step(graphdef, params, tokens, state, out_shardings):
   return token, jax.lax.with_sharding_constraint(state, out_shardings.tree)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _sharded_step_logits(graphdef, params, tokens, state, out_shardings, whole):
+  logits, state = nnx.merge(graphdef, params).step(tokens, state)
+  return (jax.lax.with_sharding_constraint(logits.astype(jnp.float32), whole),
+          jax.lax.with_sharding_constraint(state, out_shardings.tree))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 5, 6))
 def _sharded_prefill_logits(graphdef, params, tokens, state, n_valid, out_shardings, whole):
   logits, state = nnx.merge(graphdef, params).prefill(tokens, state, n_valid)
@@ -276,13 +283,16 @@ def region_prefill(model: Model, mesh: Mesh, prompt: Sequence[int], capacity: in
 
 
 def region_prefill_logits(model: Model, mesh: Mesh, prompt: Sequence[int],
-                          barrier=_no_barrier) -> tuple[np.ndarray, DecodeState]:
+                          barrier=_no_barrier, capacity: int | None = None
+                          ) -> tuple[np.ndarray, DecodeState]:
   """``region_prefill`` that returns the last prompt position's logits instead of
   a greedy token (the caller samples: the serving path's sampling and logprobs).
 
-  The state's capacity is the padded prompt's (``round_up(prefill_bucket(n))``),
-  so a pod compiles one prefill program per bucket, not one per 64 tokens of
-  prompt; the codec sends only the first ``n`` positions anyway.
+  The state's capacity is ``capacity`` or else the padded prompt's
+  (``round_up(prefill_bucket(n))``), so a pod compiles one prefill program per
+  bucket, not one per 64 tokens of prompt; the codec sends only the first
+  ``n`` positions anyway. A decode slice that prefills locally passes the
+  capacity its decode needs.
 
   Returns:
     (logits f32 [vocab], identical on every process; the batch-1 ``DecodeState``
@@ -291,7 +301,7 @@ def region_prefill_logits(model: Model, mesh: Mesh, prompt: Sequence[int],
   config = model.config
   prompt = np.asarray(prompt, np.int32)
   seq = len(prompt)
-  capacity = round_up(prefill_bucket(seq))
+  capacity = max(capacity or 0, round_up(prefill_bucket(seq)))
   shardings = state_shardings(config, mesh, 1, capacity)
   tokens = np.zeros((1, prefill_bucket(seq)), np.int32)
   tokens[0, :seq] = prompt
@@ -326,6 +336,23 @@ def region_step(model: Model, mesh: Mesh, state: DecodeState, token: int,
       (model.graphdef, model.params, replicated(mesh, np.array([token], np.int32)), state,
        _StaticShardings(shardings)), barrier, "step")
   return int(_host_scalar(token)[0]), state
+
+
+def region_step_logits(model: Model, mesh: Mesh, state: DecodeState, token: int,
+                       barrier=_no_barrier) -> tuple[np.ndarray, DecodeState]:
+  """One decode step of a batch-1 state on the whole region, fed ``token``.
+
+  Returns:
+    (logits f32 [vocab], identical on every process, so every process samples
+    the same next token; the new state, sharded as ``state``).
+  """
+  shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
+  logits, state = _synchronized_call(
+      _sharded_step_logits, (0, 4, 5),
+      (model.graphdef, model.params, replicated(mesh, np.array([token], np.int32)), state,
+       _StaticShardings(shardings), NamedSharding(mesh, PartitionSpec())),
+      barrier, "step_logits")
+  return np.asarray(logits.addressable_data(0))[0], state
 
 
 def synthetic_state(config: ModelConfig, mesh: Mesh, capacity: int, seed: int = 0

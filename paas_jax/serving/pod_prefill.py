@@ -50,7 +50,7 @@ from paas_jax.codec.options import CodecOptions
 from paas_jax.codec.shard_plan import MeshSpec, check_plan, placement_from_state, plan_transfer
 from paas_jax.scheduling.tenant_queue import DEFAULT_TENANT, TenantPolicy, TenantQueue
 from paas_jax.models.api import SamplingParams
-from paas_jax.serving import pod, pod_transfer
+from paas_jax.serving import lockstep, pod, pod_transfer
 from paas_jax.serving.batch_rows import sample_rows
 from paas_jax.serving.token_logprob_ops import rows_logprobs
 from paas_jax.serving.validation import RequestParams
@@ -61,7 +61,6 @@ from paas_jax.transport.sender import SenderOptions
 log = logging.getLogger("paas_jax.serving.pod_prefill")
 
 FAULT_EXIT = 75  # a pod process that a fault plan killed (as pod_worker's)
-_IDLE_POLL_MS = 5_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +68,10 @@ class PodJob:
   """One request as every pod process sees it (JSON through the key-value store).
 
   ``logprobs``: ``RequestParams.logprobs`` (-1: none). ``codec_json``: the
-  broker's ``CodecOptions`` ("" = the server's).
+  broker's ``CodecOptions`` ("" = the server's). ``slice_targets`` /
+  ``slice_devices``: a decode slice (``PrefillRequest.decode_slice``): each
+  slice process's StateTransfer address by rank and the devices each owns;
+  empty: one single-device decode process at ``decode_target``.
   """
 
   number: int
@@ -82,6 +84,8 @@ class PodJob:
   seed: int = 0
   logprobs: int = -1
   codec_json: str = ""
+  slice_targets: tuple[str, ...] = ()
+  slice_devices: int = 0
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self))
@@ -90,7 +94,21 @@ class PodJob:
   def from_json(cls, data: str) -> "PodJob":
     d = json.loads(data)
     d["prompt"] = tuple(int(t) for t in d["prompt"])
+    d["slice_targets"] = tuple(d.get("slice_targets", ()))
     return cls(**d)
+
+  @property
+  def targets(self) -> list[str]:
+    """The decode processes' StateTransfer addresses, by slice rank."""
+    return list(self.slice_targets) or [self.decode_target]
+
+  @property
+  def target_mesh(self) -> MeshSpec:
+    """The decode side's mesh: one device, or the slice's ``tp`` mesh."""
+    if not self.slice_targets:
+      return MeshSpec(("tp",), (1,), (0,))
+    q, d = len(self.slice_targets), self.slice_devices
+    return MeshSpec(("tp",), (q * d,), tuple(p for p in range(q) for _ in range(d)))
 
   @property
   def params(self) -> RequestParams:
@@ -146,8 +164,6 @@ class PodPrefillRunner:
     self.codec = codec
     self.logit_probe = logit_probe
     self.fault = fault
-    # A single-device decode process (Q = 1): what the plan routes to.
-    self.target = pod.state_placement(self.config, MeshSpec(("tp",), (1,), (0,)))
 
   def warmup(self, prompt_lengths: Sequence[int] = (16,)) -> float:
     """Compiles the prefill and probe programs for prompts of these lengths (all
@@ -198,15 +214,16 @@ class PodPrefillRunner:
     else:
       merged = mine
     source = placement_from_state(state)
+    target = pod.state_placement(self.config, job.target_mesh)
     manifest = dataclasses.replace(merged, placements={"source": source.to_dict(),
-                                                       "target": self.target.to_dict()})
-    plan = plan_transfer(manifest, source, self.target)
+                                                       "target": target.to_dict()})
+    plan = plan_transfer(manifest, source, target)
     check_plan(plan, manifest)
     _fault(self.fault, pid, "transfer", job.number)
     try:
       sent = pod_transfer.send_shards(
           groups, plan, pod_transfer.Envelope(manifest, first, self.region.num_processes),
-          source=pid, targets=[job.decode_target], request_id=job.request_id,
+          source=pid, targets=job.targets, request_id=job.request_id,
           model_id=self.config.name, config_fingerprint=self.config.fingerprint(),
           options=self.sender_options)
     except TransferError as e:  # The pod stays in lockstep: only this request fails.
@@ -220,42 +237,14 @@ class PodPrefillRunner:
             "objects": sum(len(s.keys) for s in sent)}
 
 
-def _job_key(n: int) -> str:
-  return f"podjob/{n}"
-
-
-def _done_key(n: int, p: int) -> str:
-  return f"podjob/{n}/done/{p}"
-
-
-def _is_deadline(e: Exception) -> bool:
-  return "DEADLINE_EXCEEDED" in str(e) or "deadline" in str(e).lower()
+JOBS = "podjob"  # the pod's jobs in the region's key-value store (lockstep)
 
 
 def follow_jobs(runner: PodPrefillRunner, kv=None) -> None:
   """Pod processes 1..P-1: run every job process 0 publishes, in order, for
-  ever. A broken key-value store (the coordinator is gone) raises."""
-  kv = kv or pod.kv_client()
-  n = 1
-  while True:
-    try:
-      data = kv.blocking_key_value_get(_job_key(n), _IDLE_POLL_MS)
-    except Exception as e:  # pylint: disable=broad-except
-      if _is_deadline(e):
-        continue  # idle
-      raise
-    job = PodJob.from_json(data)
-    try:
-      report = runner.run(job)
-    except Exception as e:
-      # Out of lockstep: report, then exit so that the pod restarts as a unit.
-      log.exception("pod job %d (%s) failed", n, job.request_id)
-      kv.key_value_set(_done_key(n, runner.region.process_id), json.dumps(
-          {"ok": False, "process": runner.region.process_id, "code": "UNAVAILABLE",
-           "error": repr(e)}))
-      raise
-    kv.key_value_set(_done_key(n, runner.region.process_id), json.dumps(report))
-    n += 1
+  ever (``lockstep.follow``). A broken key-value store raises."""
+  lockstep.follow(kv or pod.kv_client(), JOBS, runner.region.process_id,
+                  lambda data: runner.run(PodJob.from_json(data)))
 
 
 @dataclasses.dataclass
@@ -354,25 +343,17 @@ class PodLeader:
   def _run(self, job: PodJob, events: queue.Queue) -> None:
     region = self.runner.region
     if self.kv is not None:
-      self.kv.key_value_set(_job_key(job.number), job.to_json())
+      self.kv.key_value_set(lockstep.job_key(JOBS, job.number), job.to_json())
     mine = self.runner.run(job, on_first=lambda out: events.put(("first", out)))
     reports = [mine]
-    deadline = time.monotonic() + region.timeout_s
-    for p in range(1, region.num_processes):
-      left_ms = max(1, int((deadline - time.monotonic()) * 1000))
-      try:
-        reports.append(json.loads(self.kv.blocking_key_value_get(_done_key(job.number, p),
-                                                                 left_ms)))
-      except Exception as e:  # pylint: disable=broad-except
-        self._break()
-        events.put(("error", "DEADLINE_EXCEEDED" if _is_deadline(e) else "UNAVAILABLE",
-                    f"pod process {p} did not report request {job.request_id} within "
-                    f"{region.timeout_s:.0f}s: {e}"))
-        return
     if self.kv is not None:
-      # Every process is past job n: its keys (job, manifests, reports) go, so
-      # the coordinator's store does not grow with the requests served.
-      self.kv.key_value_delete(_job_key(job.number))
+      try:
+        reports += lockstep.gather(self.kv, JOBS, job.number, region.num_processes,
+                                   region.timeout_s, f"request {job.request_id}")
+      except lockstep.LockstepLost as e:
+        self._break()
+        events.put(("error", e.code, f"pod {e.message}"))
+        return
     failed = [r for r in reports if not r.get("ok")]
     if failed:
       self.jobs_failed += 1

@@ -64,6 +64,28 @@ class _NoPrefixCache:
   prefix_cache: None = None
 
 
+MAX_SLICE_PROCESSES = 64
+
+
+def decode_slice_of(request) -> tuple[tuple[str, ...], int]:
+  """(slice targets by rank, devices per slice process) of a PrefillRequest
+  (``((), 0)``: one decode process). Raises InvalidRequestError."""
+  if not request.HasField("decode_slice"):
+    return (), 0
+  dslice = request.decode_slice
+  targets = tuple(dslice.transfer_targets)
+  if not 1 <= len(targets) <= MAX_SLICE_PROCESSES or not all(targets):
+    raise InvalidRequestError(f"decode_slice needs 1 to {MAX_SLICE_PROCESSES} non-empty "
+                              f"transfer_targets, got {len(targets)}")
+  if not 1 <= dslice.devices_per_process <= 1024:
+    raise InvalidRequestError("decode_slice.devices_per_process must be in [1, 1024], got "
+                              f"{dslice.devices_per_process}")
+  if targets[0] != request.decode_target:
+    raise InvalidRequestError(f"decode_target {request.decode_target!r} is not the slice's "
+                              f"process 0 ({targets[0]!r})")
+  return targets, int(dslice.devices_per_process)
+
+
 class PodPrefillServicer(serving_pb2_grpc.PrefillServicer):
   """Process 0's Prefill service in front of a ``pod_prefill.PodLeader``."""
 
@@ -99,6 +121,7 @@ class PodPrefillServicer(serving_pb2_grpc.PrefillServicer):
       validate_request(self.config, prompt, params, self.max_ctx)
       if request.codec_json:
         CodecOptions.from_json(request.codec_json)
+      slice_targets, slice_devices = decode_slice_of(request)
       if request.tenant and not TENANT_NAME.fullmatch(request.tenant):
         raise InvalidRequestError(f"tenant must match {TENANT_NAME.pattern}, got "
                                   f"{request.tenant[:40]!r}")
@@ -124,7 +147,8 @@ class PodPrefillServicer(serving_pb2_grpc.PrefillServicer):
     self.leader.submit(dict(
         request_id=request.request_id, prompt=prompt, decode_target=request.decode_target,
         temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-        seed=int(request.seed), logprobs=params.logprobs, codec_json=request.codec_json),
+        seed=int(request.seed), logprobs=params.logprobs, codec_json=request.codec_json,
+        slice_targets=slice_targets, slice_devices=slice_devices),
         events, cancelled, tenant)
     while True:
       try:
@@ -289,17 +313,7 @@ def process_main() -> None:
 
 def define_flags() -> None:
   prefill_server_main.define_flags()
-  flags.DEFINE_integer("pod_processes", 2, "Processes of the pod (P).")
-  flags.DEFINE_integer("pod_devices", 1, "Devices each pod process contributes (on CPU: "
-                       "--xla_force_host_platform_device_count); TP = P x this.")
-  flags.DEFINE_integer("pod_process_id", -1, "This process's rank; -1: supervise the whole "
-                       "pod on this machine (pod_supervisor).")
-  flags.DEFINE_string("pod_coordinator", "", "host:port of the pod's jax.distributed "
-                      "coordinator (process 0's machine).")
-  flags.DEFINE_float("pod_timeout_s", 60.0, "Deadline of joining the pod and of every "
-                     "exchange between its processes.")
-  flags.DEFINE_integer("max_pod_restarts", 5, "Pod restarts (as a unit) before the "
-                       "supervisor gives up.")
+  pod_supervisor.define_region_flags("pod")
   flags.DEFINE_string("pod_fault", "", "Fault injection, '<process>:prefill|transfer[:<n>]': "
                       "that pod process exits mid-way through the pod's n-th request "
                       "(default 1; first incarnation only; tests and the demo).")

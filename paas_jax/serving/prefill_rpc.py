@@ -60,6 +60,11 @@ def serve_prefill(srv, request, context):
                                 f"{request.tenant[:40]!r}")
   except (InvalidRequestError, ValueError) as e:
     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+  if request.HasField("decode_slice"):
+    # A slice takes per-process shard parts, never a whole state (pod_transfer).
+    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                  "this prefill server sends whole states to one decode process; a decode "
+                  "slice of several processes is served by a prefill pod (pod_prefill_server)")
 
   events: queue.Queue = queue.Queue()
   holder: dict = {}

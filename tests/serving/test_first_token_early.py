@@ -238,3 +238,19 @@ def test_offloaded_request_waits_for_its_remote_state_between_handoff_and_decode
           "rerouted", "prefilling", "decoding", "finished"]
   assert _recent(client, "phases-bad")["phases"] == want
   assert ["received"] + _phases_logged(caplog, "phases-bad") == want
+
+
+def test_a_single_process_prefill_server_refuses_a_decode_slice(stack):
+  # A slice takes per-process shard parts (a prefill pod's), never a whole state.
+  prompt = _prompt(40)
+  request = serving_pb2.PrefillRequest(
+      request_id="to-slice", model=stack["model"].config.name, prompt_ids=prompt,
+      decode_target=stack["decode"].transfer_address,
+      decode_slice=serving_pb2.DecodeSlice(
+          transfer_targets=[stack["decode"].transfer_address, "127.0.0.1:1"],
+          devices_per_process=1))
+  with grpc.insecure_channel(stack["prefill"].address) as ch:
+    with pytest.raises(grpc.RpcError) as e:
+      list(serving_pb2_grpc.PrefillStub(ch).Prefill(request, timeout=60))
+  assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+  assert "prefill pod" in e.value.details()

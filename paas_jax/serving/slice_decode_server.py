@@ -1,0 +1,443 @@
+"""Region B's decode server as a slice of Q processes (one JAX program).
+
+  python -m paas_jax.serving.slice_decode_server --slice_processes=2 --config=tiny_gdn_gqa \\
+      --port=50061 --insecure
+
+Without ``--slice_process_id`` this is the slice's supervisor on one machine
+(``pod_supervisor``): it starts the Q processes, each on its own
+StateTransfer port (fixed at the first start), restarts all of them together
+when one dies, and writes the ready file (process 0's control port, every
+process's transfer address in ``slice_transfer``). On several machines,
+start each process yourself with ``--slice_process_id=q
+--slice_coordinator=<process 0's host>:<port> --slice_processes=Q
+--transfer_port=<its port>`` (and a process manager that restarts the whole
+slice).
+
+Every process loads the model, places its shards over the slice's ``tp`` mesh
+and takes the shard parts a prefill pod streams to it (``slice_decode``).
+Process 0 serves the ``Decode`` service to the broker: GetModel announces the
+slice (``ServedModel.slice``: its processes' transfer addresses and devices)
+so that the broker asks the pod for per-process parts; Decode, Handoff,
+GetLoad, GetStats and the health service work as on a single-process decode
+server; ProbePrefix and ExportPrefix answer FAILED_PRECONDITION (a slice
+keeps no prefix cache), as does the Prefill service (it is not served: a
+slice is not a PD-P node for another node). Requests run one at a time.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Callable
+
+import grpc
+from absl import app, flags
+
+from paas_jax.proto import serving_pb2, serving_pb2_grpc
+from paas_jax.security import cli as security_cli
+from paas_jax.security.hooks import server_interceptors
+from paas_jax.serving import common, control_plane, handoff_probe, lockstep, logprobs, pod
+from paas_jax.serving import cli, pod_supervisor, slice_decode
+from paas_jax.serving.decode_server import SERVICE, request_params, request_prompt
+from paas_jax.serving.slice_decode import SliceDecodeRunner, SliceJob, SliceParts
+from paas_jax.serving.validation import (InvalidRequestError, check_request_identity,
+                                         validate_request)
+from paas_jax.transport import LinkCounters, StateReceiver, serve_receiver
+from paas_jax.transport.dataplane import tls as dp_tls
+from paas_jax.transport.receiver import ReceiverOptions
+
+log = logging.getLogger("paas_jax.serving.slice_decode")
+FLAGS = flags.FLAGS
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoPrefixCache:
+  """What control_plane reads of an engine: a slice keeps no prefix cache."""
+
+  prefix_cache: None = None
+
+
+@dataclasses.dataclass
+class _Request:
+  request_id: str
+  make_job: Callable[[int], SliceJob] | None
+  events: queue.Queue
+  cancelled: threading.Event
+  submitted: float
+  params: object = None  # RequestParams (a remote request's, for its Handoff)
+  prompt_len: int = 0
+  number: int = 0        # its job's, once started
+  finished: bool = False
+
+
+class SliceLeader:
+  """Process 0: runs the requests one at a time; each becomes a job that every
+  slice process runs (``lockstep``). ``submit(request)`` queues one; its
+  ``events`` then get ``("slot", info)``, ``("token", token, logprob)``,
+  ``("finished", reason)`` or ``("error", code name, message)``. ``on_broken``
+  is called once the slice lost lockstep: its supervisor must restart it."""
+
+  def __init__(self, runner: SliceDecodeRunner, *, kv=None, on_broken: Callable | None = None):
+    self.runner = runner
+    self.kv = kv
+    self.on_broken = on_broken
+    self.broken = False
+    self.counters = collections.Counter()
+    self._queue: collections.deque[_Request] = collections.deque()
+    self._cv = threading.Condition()
+    self._n = 0
+    self.running: _Request | None = None
+    threading.Thread(target=self._loop, name="slice-leader", daemon=True).start()
+
+  @property
+  def queue_depth(self) -> int:
+    with self._cv:
+      return len(self._queue)
+
+  def submit(self, request: _Request) -> None:
+    with self._cv:
+      self._queue.append(request)
+      self._cv.notify()
+
+  def cancel(self, request: _Request) -> None:
+    """The request's RPC ended: a queued job is skipped; a started one stops
+    waiting for its parts on every process (the cancel key)."""
+    request.cancelled.set()
+    with self._cv:
+      started = request.number and not request.finished
+    if started and self.kv is not None:
+      try:
+        self.kv.key_value_set(f"{lockstep.job_key(slice_decode.JOBS, request.number)}/cancel",
+                              "1")
+      except Exception:  # pylint: disable=broad-except
+        pass  # the job ended meanwhile (its keys are gone) or the region is down
+
+  def _loop(self) -> None:
+    while True:
+      with self._cv:
+        while not self._queue:
+          self._cv.wait()
+        request = self._queue.popleft()
+        if request.cancelled.is_set():
+          self.counters["jobs_skipped"] += 1
+          continue
+        if not self.broken:  # a number is taken only by a job that is published
+          self._n += 1
+          request.number = self._n
+      if self.broken:
+        request.events.put(("error", "UNAVAILABLE", "the decode slice is restarting"))
+        continue
+      try:
+        self._run(request)
+      except Exception as e:  # pylint: disable=broad-except
+        # Peers may wait in a collective this process never reached.
+        log.exception("slice job %s failed", request.request_id)
+        self.counters["jobs_failed"] += 1
+        self._break()
+        request.events.put(("error", "UNAVAILABLE",
+                            f"slice decode failed, the slice restarts: {e!r}"))
+      finally:
+        with self._cv:
+          request.finished = True
+
+  def _run(self, request: _Request) -> None:
+    job = request.make_job(request.number)
+    region = self.runner.region
+    if self.kv is not None:
+      self.kv.key_value_set(lockstep.job_key(slice_decode.JOBS, job.number), job.to_json())
+    self.running = request
+    try:
+      mine = self.runner.run(job, emit=lambda *ev: request.events.put(ev),
+                             cancelled=request.cancelled.is_set)
+    finally:
+      self.running = None
+    reports = [mine]
+    if self.kv is not None:
+      try:
+        reports += lockstep.gather(self.kv, slice_decode.JOBS, job.number,
+                                   region.num_processes, region.timeout_s,
+                                   f"request {job.request_id}")
+      except lockstep.LockstepLost as e:
+        self._break()
+        request.events.put(("error", e.code, f"slice {e.message}"))
+        return
+    failed = next((r for r in reports if not r.get("ok")), None)
+    if failed is not None:
+      self.counters["jobs_failed"] += 1
+      self.counters["probe_mismatch"] += int(bool(failed.get("probe_mismatch")))
+      request.events.put(("error", failed.get("code", "INTERNAL"), failed.get("error", "")))
+      return
+    self.counters["jobs_done"] += 1
+    self.counters["tokens"] += len(mine["tokens"])
+    for r in reports:
+      self.counters[f"slice_bytes_in:{r['process']}"] += r["wire_bytes"]
+
+  def _break(self) -> None:
+    self.broken = True
+    if self.on_broken is not None:
+      self.on_broken()
+
+
+class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
+  """Process 0's Decode service in front of a ``SliceLeader``.
+
+  ``slice_info``: the ``DecodeSlice`` GetModel announces.
+  """
+
+  def __init__(self, config, leader: SliceLeader, slice_info: serving_pb2.DecodeSlice, *,
+               max_ctx: int, max_queue: int = 64):
+    self.config = config
+    self.leader = leader
+    self.slice_info = slice_info
+    self.max_ctx = max_ctx
+    self.max_queue = max_queue
+    self.link_counters = LinkCounters("B->A")  # a slice exports no prefixes
+    self._awaiting: dict[str, _Request] = {}  # remote requests waiting for their Handoff
+    self._lock = threading.Lock()
+    self.counters = collections.Counter()
+    self.started = time.time()
+
+  def _waiting(self) -> int:
+    with self._lock:
+      return len(self._awaiting) + self.leader.queue_depth
+
+  def Decode(self, request, context):
+    rid = request.request_id
+    try:
+      check_request_identity(request, self.config, "decode slice")
+      params = request_params(request)
+      prompt = request_prompt(request)
+      if request.resume_from:
+        raise InvalidRequestError("a decode slice keeps no commit points (resume_from)")
+      validate_request(self.config, prompt, params, self.max_ctx)
+    except InvalidRequestError as e:
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    if self.leader.broken:
+      context.abort(grpc.StatusCode.UNAVAILABLE, "the decode slice is restarting")
+    if self._waiting() >= self.max_queue:
+      self.counters["rejected_queue_full"] += 1
+      context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"decode slice queue full ({self.max_queue} requests waiting)")
+    self.counters["requests"] += 1
+    entry = _Request(rid, None, queue.Queue(), threading.Event(), time.perf_counter(),
+                     params=params, prompt_len=len(prompt))
+    if request.remote_prefill:
+      with self._lock:
+        if rid in self._awaiting:
+          context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already waiting")
+        self._awaiting[rid] = entry
+    else:
+      entry.make_job = lambda n: SliceJob.from_request(n, rid, len(prompt), params,
+                                                      prompt=prompt)
+      self.leader.submit(entry)
+
+    def on_rpc_done():
+      with self._lock:
+        self._awaiting.pop(rid, None)
+      if not entry.finished:
+        self.leader.cancel(entry)
+        self.leader.runner.parts.drop(rid)
+    context.add_callback(on_rpc_done)
+    yield serving_pb2.DecodeEvent(accepted=True, queue_position=self._waiting())
+    yield from self._stream(entry, context)
+
+  def _stream(self, entry: _Request, context):
+    while True:
+      try:
+        kind, *rest = entry.events.get(timeout=0.5)
+      except queue.Empty:
+        if not context.is_active():
+          return
+        continue
+      if kind == "error":
+        self.counters["failed"] += 1
+        context.abort(grpc.StatusCode[rest[0]], rest[1])
+      if kind == "slot":
+        info = rest[0]
+        yield serving_pb2.DecodeEvent(
+            slot=0, queue_s=time.perf_counter() - entry.submitted - info.get("prefill_s", 0.0),
+            prefill_s=info.get("prefill_s", 0.0))
+        continue
+      out = serving_pb2.DecodeEvent()
+      while True:  # coalesce what is already queued into one message
+        if kind == "token":
+          out.token_ids.append(int(rest[0]))
+          if rest[1] is not None:
+            out.logprobs.append(logprobs.to_proto(rest[1], serving_pb2.TokenLogprob))
+        elif kind == "finished":
+          out.finished, out.finish_reason = True, rest[0]
+          break
+        else:
+          entry.events.put((kind, *rest))  # slot/error: handled on the next round
+          break
+        try:
+          kind, *rest = entry.events.get_nowait()
+        except queue.Empty:
+          break
+      yield out
+      if out.finished:
+        return
+
+  def Handoff(self, request, context):
+    rid = request.request_id
+    try:
+      probe = handoff_probe.handoff_probe_of(request, self.config.vocab_size)
+    except ValueError as e:
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    with self._lock:
+      entry = self._awaiting.get(rid)
+    if entry is None:
+      context.abort(grpc.StatusCode.NOT_FOUND,
+                    f"request {rid!r} is not waiting here (cancelled, finished or unknown)")
+    try:
+      first_lp = logprobs.handoff_logprob(request, self.config.vocab_size,
+                                          entry.params.logprobs)
+    except logprobs.LogprobsError as e:
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first_logprob: {e}")
+    with self._lock:
+      if self._awaiting.pop(rid, None) is None:
+        context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid!r} is gone")
+    first = int(request.first_token)
+    entry.events.put(("token", first, first_lp))  # streamed now; the probe gates the rest
+    entry.make_job = lambda n: SliceJob.from_request(n, rid, entry.prompt_len, entry.params,
+                                                    first_token=first, probe=probe)
+    self.counters["handoffs"] += 1
+    self.counters["probes" if probe is not None else "unverified"] += 1
+    self.leader.submit(entry)
+    return serving_pb2.HandoffResponse()
+
+  def ExportPrefix(self, request, context):
+    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                  "ExportPrefix: a decode slice keeps no prefix cache")
+
+  def GetLoad(self, request, context):
+    busy = int(self.leader.running is not None)
+    return control_plane.load_report(
+        control_plane.DECODE, engine=_NoPrefixCache(), link_counters=self.link_counters,
+        prefill_queue_depth=0, prefill_queue_limit=self.max_queue,
+        decode_stats={"slots_total": 1, "slots_busy": busy, "waiting": self._waiting()})
+
+  def ProbePrefix(self, request, context):
+    return control_plane.probe_prefix(_NoPrefixCache(), request, context)
+
+  def GetModel(self, request, context):
+    served = control_plane.served_model(self.config, max_model_len=self.max_ctx)
+    served.slice.CopyFrom(self.slice_info)
+    return served
+
+  def GetStats(self, request, context):
+    s = dict(self.counters)
+    s.update(self.leader.counters)
+    region = self.leader.runner.region
+    s.update(queue=self._waiting(), slice_processes=region.num_processes, slice_tp=region.tp,
+             slice_parts_in=self.leader.runner.parts.parts_in,
+             slice_parts_pending=self.leader.runner.parts.pending(),
+             uptime_s=time.time() - self.started)
+    return serving_pb2.StatsResponse(
+        server="decode", gauges={k: float(v) for k, v in s.items()},
+        json=json.dumps({"model": self.config.name, "fingerprint": self.config.fingerprint(),
+                         "config": self.config.to_dict(), "max_ctx": self.max_ctx,
+                         "slice": region.to_dict(),
+                         "slice_transfer": list(self.slice_info.transfer_targets)}))
+
+
+def process_main() -> None:
+  """One process of the slice (``--slice_process_id`` given)."""
+  t0 = time.time()
+  region = pod.RegionSpec(FLAGS.slice_coordinator, FLAGS.slice_processes,
+                          FLAGS.slice_process_id, FLAGS.slice_devices, FLAGS.slice_timeout_s)
+  pod.initialize_region(region)
+  pid = region.process_id
+  kv = pod.kv_client() if region.num_processes > 1 else None
+  model, security, metrics, metrics_port = cli.setup_process(f"decode-slice{pid}")
+  mesh = pod.region_mesh()
+  model = pod.shard_model(model, mesh)
+  max_ctx = FLAGS.max_ctx or model.config.max_seq_len
+  parts = SliceParts(pid)
+  credentials = security.server_credentials()
+  receiver = StateReceiver(
+      models={model.config.name: model.config.fingerprint()}, template=lambda info: None,
+      on_ready=parts.on_state, on_failure=parts.on_failure,
+      options=ReceiverOptions(transfer_timeout_s=FLAGS.slice_receive_timeout_s))
+  plane = (dp_tls.receiver_kwargs(security, "decode", credentials, None)
+           if FLAGS.transfer_plane == "tcp" else {})
+  transfer = serve_receiver(receiver, f"{FLAGS.host}:{FLAGS.transfer_port}",
+                            credentials=credentials,
+                            interceptors=server_interceptors(security, metrics), **plane)
+  runner = SliceDecodeRunner(model, mesh, region, parts,
+                             receive_timeout_s=FLAGS.slice_receive_timeout_s, kv=kv)
+  address = f"{FLAGS.advertise_host or FLAGS.host}:{transfer.port}"
+  if kv is not None:  # process 0 announces every process's transfer address
+    kv.key_value_set(f"slice/transfer/{pid}", address)
+  if pid != 0:
+    log.info("slice process %d receiving on %s, following jobs", pid, address)
+    slice_decode.follow_jobs(runner, kv)
+    return
+  addresses = [address] + [kv.blocking_key_value_get(f"slice/transfer/{q}",
+                                                      int(region.timeout_s * 1000))
+                           for q in range(1, region.num_processes)]
+  slice_info = serving_pb2.DecodeSlice(transfer_targets=addresses,
+                                       devices_per_process=region.local_devices)
+
+  def broken():  # answer the failed request first, then let the supervisor restart the slice
+    threading.Timer(0.5, os._exit, (1,)).start()
+  leader = SliceLeader(runner, kv=kv, on_broken=broken)
+  servicer = SliceDecodeServicer(model.config, leader, slice_info, max_ctx=max_ctx,
+                                 max_queue=FLAGS.max_queue)
+  control = common.start_server(
+      f"{FLAGS.host}:{FLAGS.port}",
+      lambda s: serving_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
+      credentials=credentials, services=[SERVICE], max_workers=2 * FLAGS.max_queue + 32,
+      interceptors=server_interceptors(security, metrics))
+  control.set_serving([SERVICE])
+  common.write_ready_file(FLAGS.ready_file, {
+      "pid": os.getpid(), "port": control.port, "transfer_port": transfer.port,
+      "data_plane_port": transfer.data_plane.port if transfer.data_plane is not None else 0,
+      "slice_transfer": addresses, "metrics_port": metrics_port, "model": model.config.name,
+      "slice": region.to_dict(), "startup_s": time.time() - t0})
+  log.info("decode slice process 0 on %s:%d (Q=%d, TP=%d), transfer %s", FLAGS.host,
+           control.port, region.num_processes, region.tp, addresses)
+
+  def stop():
+    control.stop(0.5)
+    transfer.stop(0.5)
+  common.wait_for_termination(stop)
+  os._exit(0)  # the followers wait in the key-value store; the supervisor stops them
+
+
+def define_flags() -> None:
+  cli.define_server_flags("decode")
+  flags.DEFINE_integer("transfer_port", 0, "This process's StateTransfer port (0: any).")
+  flags.DEFINE_enum("transfer_plane", "tcp", ["tcp", "grpc"], "tcp: the transfer port also "
+                    "opens the TCP data plane; grpc: gRPC only.")
+  flags.DEFINE_string("advertise_host", "", "The host the prefill pod dials for this "
+                      "process's transfer port (default --host).")
+  flags.DEFINE_integer("max_queue", 64, "Requests allowed to wait (for a Handoff or a turn).")
+  pod_supervisor.define_region_flags("slice")
+  flags.DEFINE_float("slice_receive_timeout_s", 300.0, "How long a request waits for its "
+                     "state parts after its Handoff.")
+
+
+def main(argv):
+  del argv
+  if FLAGS.tp != 1:
+    raise app.UsageError("--tp is the single-process server's; a slice's TP is "
+                         "--slice_processes x --slice_devices")
+  if FLAGS.slice_process_id < 0:
+    sys.exit(pod_supervisor.supervise(sys.argv[1:], pod_supervisor.RegionProcesses(
+        module="paas_jax.serving.slice_decode_server", kind="slice",
+        processes=FLAGS.slice_processes, devices=FLAGS.slice_devices,
+        max_restarts=FLAGS.max_slice_restarts, own_transfer_ports=True)))
+  process_main()
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,187 @@
+"""The seams a decode slice adds, on their own (no JAX program, no servers):
+the broker's view of a slice (``DecodeTarget.parse`` / ``with_slice``), the
+pod's validation of ``PrefillRequest.decode_slice`` and its target mesh, the
+launcher's and the supervisor's handling of a slice, and ``SliceJob`` /
+``SliceParts`` bookkeeping. Each check has its failing case beside it."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import grpc
+import pytest
+
+from paas_jax.proto import serving_pb2
+from paas_jax.serving import launch_args, pod, pod_supervisor
+from paas_jax.serving import slice_decode_server as slice_server
+from paas_jax.serving.launch import ClusterSpec
+from paas_jax.serving.node_pool import DecodeTarget
+from paas_jax.serving.pod_prefill import PodJob
+from paas_jax.serving.pod_prefill_server import decode_slice_of
+from paas_jax.serving.slice_decode import SliceJob, SliceParts, SliceReceiveError
+from paas_jax.serving.validation import InvalidRequestError, RequestParams
+from paas_jax.models.api import SamplingParams
+from paas_jax.state.logit_probe import LogitProbe
+
+
+def _announced(*targets, devices=1):
+  return serving_pb2.DecodeSlice(transfer_targets=list(targets), devices_per_process=devices)
+
+
+def test_a_slice_is_dialled_where_the_broker_says_or_where_it_announces():
+  own = _announced("b:1", "b:2", devices=2)
+  single = DecodeTarget.parse("c:0", "relay:1").with_slice(own)
+  assert single.slice == ("relay:1", "b:2") and single.slice_devices == 2
+  assert single.decode_slice == _announced("relay:1", "b:2", devices=2)
+  listed = DecodeTarget.parse("c:0", "r:1+r:2").with_slice(own)
+  assert listed.transfer == "r:1" and listed.slice == ("r:1", "r:2")
+  plain = DecodeTarget.parse("c:0", "d:1")
+  assert plain.with_slice(serving_pb2.DecodeSlice()) == plain and plain.decode_slice is None
+
+
+@pytest.mark.parametrize("entry,announced,match", [
+    ("r:1+r:2+r:3", _announced("b:1", "b:2"), "slice of 2 processes"),
+    ("r:1+r:2", serving_pb2.DecodeSlice(), "is one process"),
+    ("r:1+r:2", _announced("b:1", "b:2", devices=0), "devices per process"),
+])
+def test_a_slice_the_broker_and_the_node_disagree_on_is_refused(entry, announced, match):
+  with pytest.raises(ValueError, match=match):
+    DecodeTarget.parse("c:0", entry).with_slice(announced)
+  with pytest.raises(ValueError, match="empty address"):
+    DecodeTarget.parse("c:0", "r:1+")
+
+
+def _prefill_request(**slice_fields):
+  req = serving_pb2.PrefillRequest(request_id="r", decode_target="s:0")
+  if slice_fields:
+    req.decode_slice.CopyFrom(serving_pb2.DecodeSlice(**slice_fields))
+  return req
+
+
+def test_the_pod_takes_a_decode_slice_and_plans_for_its_mesh():
+  assert decode_slice_of(_prefill_request()) == ((), 0)
+  targets, devices = decode_slice_of(_prefill_request(transfer_targets=["s:0", "s:1"],
+                                                      devices_per_process=2))
+  assert targets == ("s:0", "s:1") and devices == 2
+  job = PodJob(1, "r", (1, 2), "s:0", slice_targets=targets, slice_devices=devices)
+  assert job.targets == ["s:0", "s:1"]
+  assert job.target_mesh.axis_sizes == (4,) and job.target_mesh.device_processes == (0, 0, 1, 1)
+  assert PodJob.from_json(job.to_json()) == job
+  one = PodJob(1, "r", (1, 2), "d:0")
+  assert one.targets == ["d:0"] and one.target_mesh.device_processes == (0,)
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"transfer_targets": ["s:0", ""], "devices_per_process": 1}, "non-empty"),
+    ({"transfer_targets": ["s:0"], "devices_per_process": 0}, "devices_per_process"),
+    ({"transfer_targets": ["other:0", "s:1"], "devices_per_process": 1}, "process 0"),
+])
+def test_a_malformed_decode_slice_is_invalid(fields, match):
+  with pytest.raises(InvalidRequestError, match=match):
+    decode_slice_of(_prefill_request(**fields))
+
+
+def test_the_launcher_starts_a_slice_only_where_it_fits():
+  spec = ClusterSpec(prefill_pod=2, decode_slice=2, decode_slice_devices=2)
+  launch_args.check_decode_slice(spec)
+  args = launch_args.decode_args(spec, "127.0.0.1", None)
+  assert args[:2] == ["-m", "paas_jax.serving.slice_decode_server"]
+  assert "--slice_processes=2" in args and "--slice_devices=2" in args
+  assert launch_args.decode_args(ClusterSpec(), "127.0.0.1", None)[1] == (
+      "paas_jax.serving.decode_server")
+  with pytest.raises(ValueError, match="single-process prefill server"):
+    launch_args.check_decode_slice(ClusterSpec(decode_slice=2))
+  with pytest.raises(ValueError, match="pd_nodes > 1"):
+    launch_args.check_decode_slice(ClusterSpec(prefill_pod=2, decode_slice=2, pd_nodes=2))
+
+
+def test_the_supervisor_gives_every_slice_process_its_own_flags():
+  region = pod_supervisor.RegionProcesses(module="paas_jax.serving.slice_decode_server",
+                                          kind="slice", processes=2, own_transfer_ports=True)
+  argv = ["--slice_processes=2", "--transfer_port=7", "--slice_process_id=1",
+          "--slice_coordinator=x:1", "--port=3", "--config=tiny_gdn_gqa"]
+  assert pod_supervisor.passed_on(argv, region) == ["--slice_processes=2",
+                                                    "--config=tiny_gdn_gqa"]
+  # The pod's own flags are not the slice's: a pod keeps --slice_* flags it is given.
+  assert "--slice_process_id=1" in pod_supervisor.passed_on(argv)
+
+
+def test_a_slice_job_round_trips_with_its_probe_and_sampling():
+  params = RequestParams(sampling=SamplingParams(0.7, 5, 0.9), seed=3, max_new_tokens=9,
+                         stop_tokens=(4, 8), logprobs=2)
+  probe = LogitProbe(11, (3, 1), (2.5, 1.25), "float32")
+  job = SliceJob.from_request(4, "r", 33, params, first_token=11, probe=probe)
+  back = SliceJob.from_json(job.to_json())
+  assert back == job and back.remote and back.params == params and back.logit_probe == probe
+  local = SliceJob.from_request(5, "l", 3, params, prompt=(1, 2, 3))
+  assert not local.remote and local.logit_probe is None
+
+
+def test_slice_parts_fail_a_job_with_its_transfers_status_and_honour_a_cancel():
+  parts = SliceParts(1)
+  parts.on_failure("pod:r1:0->1", grpc.StatusCode.DATA_LOSS, "crc mismatch")
+  with pytest.raises(SliceReceiveError) as e:
+    parts.take("r1", 5)
+  assert e.value.code == "DATA_LOSS" and "pod process 0 to slice process 1" in e.value.message
+  with pytest.raises(SliceReceiveError) as e:
+    parts.take("r2", 5, cancelled=lambda: True)
+  assert e.value.code == "CANCELLED"
+  with pytest.raises(SliceReceiveError) as e:
+    parts.take("r3", 0.05)
+  assert e.value.code == "DEADLINE_EXCEEDED" and parts.pending() == 0
+
+
+class _Runner:
+  """Runs jobs as a slice process would report them (no JAX program)."""
+
+  def __init__(self, outcome="ok"):
+    self.region = pod.RegionSpec("", 1, 0, 1, 5.0)
+    self.parts = SliceParts(0)
+    self.outcome = outcome
+    self.ran = []
+
+  def run(self, job, emit, cancelled=None):
+    self.ran.append(job.number)
+    if self.outcome == "raise":
+      raise RuntimeError("lost a collective")
+    if self.outcome == "refused":
+      return {"ok": False, "process": 0, "wire_bytes": 0, "code": "DATA_LOSS",
+              "error": "the received state failed the logit probe", "probe_mismatch": True}
+    emit("token", 5, None)
+    emit("finished", "max_tokens")
+    return {"ok": True, "process": 0, "wire_bytes": 10, "tokens": [4, 5]}
+
+
+def _request(rid, params=RequestParams()):
+  return slice_server._Request(
+      rid, lambda n: SliceJob.from_request(n, rid, 3, params, prompt=(1, 2, 3)),
+      queue.Queue(), threading.Event(), 0.0)
+
+
+def _events(request, n):
+  return [request.events.get(timeout=10) for _ in range(n)]
+
+
+def test_the_slice_leader_skips_cancelled_requests_and_reports_refusals_and_breaks():
+  leader = slice_server.SliceLeader(_Runner())
+  skipped, ran = _request("a"), _request("b")
+  skipped.cancelled.set()
+  leader.submit(skipped)
+  leader.submit(ran)
+  assert _events(ran, 2) == [("token", 5, None), ("finished", "max_tokens")]
+  assert skipped.events.empty() and skipped.number == 0 and ran.number == 1
+  refused = slice_server.SliceLeader(_Runner("refused"))
+  r = _request("c")
+  refused.submit(r)
+  assert _events(r, 1)[0][:2] == ("error", "DATA_LOSS")
+  assert refused.counters["probe_mismatch"] == 1 and not refused.broken
+  broken = threading.Event()
+  lost = slice_server.SliceLeader(_Runner("raise"), on_broken=broken.set)
+  first, second = _request("d"), _request("e")
+  lost.submit(first)
+  lost.submit(second)
+  assert _events(first, 1)[0][:2] == ("error", "UNAVAILABLE") and broken.is_set()
+  kind, code, message = _events(second, 1)[0]
+  assert (kind, code) == ("error", "UNAVAILABLE") and "restarting" in message
+  assert lost.runner.ran == [1] and second.number == 0  # no job number without a job

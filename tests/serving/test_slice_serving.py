@@ -1,0 +1,117 @@
+"""Region B as a decode slice on the real serving path (#16).
+
+A real cluster: region A a prefill pod of two processes (TP=2 over gloo),
+region B a decode slice of two processes (its own TP=2 mesh), and the broker.
+The broker learns the slice from its GetModel (each process's transfer
+address) and asks the pod for per-process parts; each pod process streams to
+each slice process only the shard bytes that process needs, the slice
+restores them in place, checks the handoff probe and decodes in lockstep.
+Tokens and logprobs are compared with single-process generation, for
+offloaded (PrfaaS) and local (prefilled on the slice) requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from paas_jax.client import BrokerClient, GenerationError
+from paas_jax.proto import serving_pb2, serving_pb2_grpc
+from paas_jax.serving.launch import ClusterSpec, LocalCluster
+from tests.serving.test_pod_serving import _stats, _wait_remote
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+  return [int(t) for t in np.random.default_rng(1700 + salt).integers(1, 256, n)]
+
+
+@pytest.fixture(scope="module")
+def slice_cluster(tmp_path_factory):
+  spec = ClusterSpec(n_slots=4, max_queue=8, max_ctx=256, prefill_buckets=(64,),
+                     prefill_max_batch=1, threshold=16, prefill_pod=2, decode_slice=2)
+  c = LocalCluster(spec, tmp_path_factory.mktemp("slice_serving")).start()
+  yield c
+  c.stop()
+
+
+# In the default suite (~1 min): the only run of a decode slice behind a broker.
+def test_a_pod_streams_to_a_decode_slice_shard_to_shard_token_and_logprob_exact(
+    slice_cluster, reference, assert_logprobs):
+  cluster = slice_cluster
+  info = cluster.procs["decode"].info
+  assert info["slice"]["num_processes"] == 2 and len(info["slice_transfer"]) == 2
+  with cluster.channel("decode") as ch:
+    served = serving_pb2_grpc.DecodeStub(ch).GetModel(serving_pb2.ModelRequest(), timeout=30)
+  assert list(served.slice.transfer_targets) == info["slice_transfer"]
+  with BrokerClient(cluster.broker_address, timeout_s=120) as client:
+    _wait_remote(client)
+    before = _stats(cluster, "decode", serving_pb2_grpc.DecodeStub)
+    pod_before = _stats(cluster, "prefill", serving_pb2_grpc.PrefillStub)
+    for i, (n, temperature) in enumerate([(40, 0.0), (70, 0.8)]):
+      prompt = _prompt(n, i)
+      out = client.generate(prompt_ids=prompt, max_new_tokens=6, route="remote",
+                            request_id=f"slice-{i}", logprobs=True, top_logprobs=2,
+                            temperature=temperature, seed=7)
+      assert out.route == "prfaas", out.summary
+      assert out.tokens == reference(tuple(prompt), 6, temperature, 0, 1.0, 7)
+      assert_logprobs(prompt, out)
+    # Prefilled on the slice itself (the broker's local route).
+    prompt = _prompt(12, 9)
+    out = client.generate(prompt_ids=prompt, max_new_tokens=5, route="local",
+                          request_id="slice-local", logprobs=True)
+    assert out.route != "prfaas", out.summary
+    assert out.tokens == reference(tuple(prompt), 5)
+    assert_logprobs(prompt, out)
+  after = _stats(cluster, "decode", serving_pb2_grpc.DecodeStub)
+  pod_after = _stats(cluster, "prefill", serving_pb2_grpc.PrefillStub)
+  assert after["slice_processes"] == 2 and after["slice_tp"] == 2
+  assert after["jobs_done"] - before.get("jobs_done", 0) == 3
+  assert after.get("jobs_failed", 0) == 0 and after["slice_parts_pending"] == 0
+  # Shard to shard: each slice process received its own part from each pod
+  # process (heads split, replicated leaves to both), never the whole state
+  # through one of them; the pod's processes each sent theirs.
+  got = [after[f"slice_bytes_in:{q}"] - before.get(f"slice_bytes_in:{q}", 0) for q in (0, 1)]
+  assert all(b > 0 for b in got), got
+  sent = [pod_after[f"pod_bytes_sent:{p}"] - pod_before.get(f"pod_bytes_sent:{p}", 0)
+          for p in (0, 1)]
+  assert all(b > 0 for b in sent), sent
+  total = sum(sent)
+  assert max(got) < total and sum(got) <= total, (got, sent)
+
+
+@pytest.mark.slow  # the slice restarts (both processes start and compile again)
+def test_a_lost_slice_process_restarts_the_slice_on_the_same_ports(slice_cluster, reference):
+  cluster = slice_cluster
+  ready = cluster.procs["decode"].ready_file
+  first = json.loads(ready.read_text())
+  os.kill(first["pod_pids"][1], signal.SIGKILL)
+  deadline = time.monotonic() + 180
+  while json.loads(ready.read_text()).get("incarnation", 0) < 1:
+    assert time.monotonic() < deadline, "the slice did not restart"
+    time.sleep(0.5)
+  again = json.loads(ready.read_text())
+  assert again["restarts"][0]["process"] == 1
+  assert not set(again["pod_pids"]) & set(first["pod_pids"])
+  # Where the broker and the pod reach it did not move: the same addresses serve.
+  assert again["port"] == first["port"] and again["slice_transfer"] == first["slice_transfer"]
+  with BrokerClient(cluster.broker_address, timeout_s=180) as client:
+    # Until the broker's health checks take the slice back (UNAVAILABLE meanwhile).
+    deadline = time.monotonic() + 180
+    while True:
+      try:
+        _wait_remote(client, 180)
+        break
+      except GenerationError as e:
+        assert e.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e
+        time.sleep(0.5)
+    prompt = _prompt(50, 20)
+    out = client.generate(prompt_ids=prompt, max_new_tokens=6, route="remote",
+                          request_id="slice-after-restart")
+    assert out.route == "prfaas", out.summary
+    assert out.tokens == reference(tuple(prompt), 6)

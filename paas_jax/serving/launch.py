@@ -130,8 +130,9 @@ class ClusterSpec:
   prefill_pod_fault: str = ""
   # Region B's decode server as a slice of this many processes (one JAX
   # program, TP over decode_slice x decode_slice_devices devices; serving/
-  # slice_decode_server.py; 1: the single-process decode server). A slice
-  # runs without a relay (link None), as region B's only PD node.
+  # slice_decode_server.py; 1: the single-process decode server), as region
+  # B's only PD node. Behind an emulated link the relay forwards each slice
+  # process's StateTransfer port and the parts travel on gRPC.
   decode_slice: int = 1
   decode_slice_devices: int = 1
 
@@ -243,8 +244,10 @@ class LocalCluster:
     pd_info = [self.procs[n].info for n in pd_names]
     pd_local = [f"{local}:{d['transfer_port']}" for d in pd_info]
     pd_wan = [transfer_target] + pd_local[1:]
-    if spec.decode_slice > 1:  # region A sends each slice process its own parts
-      pd_wan = ["+".join(pd_info[0]["slice_transfer"])]
+    # A decode slice: region A sends each slice process its own parts.
+    slice_transfer = pd_info[0].get("slice_transfer", [])[1:] if spec.decode_slice > 1 else []
+    if slice_transfer:
+      pd_wan = ["+".join([transfer_target, *slice_transfer])]
     if link is not None:
       relay_link = (dataclasses.replace(link, shape_bandwidth=False)
                     if self.netns is not None else link)
@@ -258,6 +261,8 @@ class LocalCluster:
           routes.append(f"dataplane{i}={dial}:{dp}->{_DATA_PLANE_HOST}:{dp}@a_to_b")
       # The other PD nodes' StateTransfer ports, over the same link (PrfaaS states).
       routes += [f"transfer{i}={dial}:0->{pd_local[i]}@a_to_b" for i in range(1, len(pd_info))]
+      # A slice's other processes' StateTransfer ports (parts over gRPC: decode_args).
+      routes += [f"slice{q}={dial}:0->{a}@a_to_b" for q, a in enumerate(slice_transfer, 1)]
       relay = self._name(region, "relay")
       self.procs[relay] = self._spawn(
           relay, launch_args.relay_args(relay_link, self.relay_stats_path(region), routes),
@@ -266,6 +271,9 @@ class LocalCluster:
       ports = self.procs[relay].info["ports"]
       pd_wan = [f"{dial}:{ports['transfer']}"] + [f"{dial}:{ports[f'transfer{i}']}"
                                                   for i in range(1, len(pd_info))]
+      if slice_transfer:
+        pd_wan = ["+".join([pd_wan[0]] + [f"{dial}:{ports[f'slice{q}']}"
+                                          for q in range(1, len(slice_transfer) + 1)])]
       prefill_target = f"{local}:{ports['control']}"
       prefix_target = f"{local}:{ports['prefix']}"
     broker = self._name(region, "broker")

@@ -71,8 +71,7 @@ def check_decode_slice(spec) -> None:
                      f"({spec.decode_slice_devices}) must be >= 1")
   if spec.decode_slice == 1:
     return
-  unfit = {"an emulated link (a relay route per slice process)": spec.link is not None
-           or any(spec.region_links), "pd_nodes > 1": spec.pd_nodes > 1,
+  unfit = {"pd_nodes > 1": spec.pd_nodes > 1,
            "decode_regions > 1": spec.decode_regions > 1, "flaky_wan": spec.flaky_wan,
            "decode_faults": bool(spec.decode_faults), "prefix_block": spec.prefix_block > 0,
            "a single-process prefill server (a slice takes a pod's parts)":
@@ -87,9 +86,11 @@ def decode_args(spec, host: str, data_plane_host: str | None) -> list[str]:
   """A PD node (decode server). ``data_plane_host``: bind the data plane there
   (a relay takes the announced port on the address region A dials)."""
   if spec.decode_slice > 1:  # region B as a slice of processes (slice_decode_server)
+    # Behind a relay (data_plane_host) the parts ride gRPC: the relay forwards
+    # each slice process's StateTransfer port, not data-plane ports.
+    plane = "grpc" if data_plane_host else spec.transfer_plane
     return ["-m", "paas_jax.serving.slice_decode_server", *server_args(spec, host),
-            "--transfer_port=0", f"--max_queue={spec.max_queue}",
-            f"--transfer_plane={spec.transfer_plane}",
+            "--transfer_port=0", f"--max_queue={spec.max_queue}", f"--transfer_plane={plane}",
             f"--slice_processes={spec.decode_slice}",
             f"--slice_devices={spec.decode_slice_devices}", *spec.decode_args]
   args = ["-m", "paas_jax.serving.decode_server", *server_args(spec, host),

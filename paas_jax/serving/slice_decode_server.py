@@ -134,6 +134,9 @@ class SliceLeader:
       if self.broken:
         request.events.put(("error", "UNAVAILABLE", "the decode slice is restarting"))
         continue
+      # Busy until the job's reports and counters are in, not only its tokens
+      # (the client has its last token before the other processes reported).
+      self.running = request
       try:
         self._run(request)
       except Exception as e:  # pylint: disable=broad-except
@@ -146,18 +149,15 @@ class SliceLeader:
       finally:
         with self._cv:
           request.finished = True
+        self.running = None
 
   def _run(self, request: _Request) -> None:
     job = request.make_job(request.number)
     region = self.runner.region
     if self.kv is not None:
       self.kv.key_value_set(lockstep.job_key(slice_decode.JOBS, job.number), job.to_json())
-    self.running = request
-    try:
-      mine = self.runner.run(job, emit=lambda *ev: request.events.put(ev),
-                             cancelled=request.cancelled.is_set)
-    finally:
-      self.running = None
+    mine = self.runner.run(job, emit=lambda *ev: request.events.put(ev),
+                           cancelled=request.cancelled.is_set)
     reports = [mine]
     if self.kv is not None:
       try:
@@ -336,7 +336,8 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
     s = dict(self.counters)
     s.update(self.leader.counters)
     region = self.leader.runner.region
-    s.update(queue=self._waiting(), slice_processes=region.num_processes, slice_tp=region.tp,
+    s.update(queue=self._waiting(), busy=int(self.leader.running is not None),
+             slice_processes=region.num_processes, slice_tp=region.tp,
              slice_parts_in=self.leader.runner.parts.parts_in,
              slice_parts_pending=self.leader.runner.parts.pending(),
              uptime_s=time.time() - self.started)

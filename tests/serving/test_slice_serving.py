@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from paas_jax.client import BrokerClient, GenerationError
+from paas_jax.netem import LinkSpec
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
 from tests.serving.test_pod_serving import _stats, _wait_remote
@@ -31,10 +32,21 @@ def _prompt(n: int, salt: int) -> list[int]:
   return [int(t) for t in np.random.default_rng(1700 + salt).integers(1, 256, n)]
 
 
+def _idle_stats(cluster, name: str, stub) -> dict:
+  """GetStats once the node has no job running or waiting: a job's counters
+  land after its client has the last token (the other processes report then)."""
+  deadline = time.monotonic() + 30
+  while (s := _stats(cluster, name, stub)).get("busy", 0) or s.get("queue", 0):
+    assert time.monotonic() < deadline, s
+    time.sleep(0.1)
+  return s
+
+
 @pytest.fixture(scope="module")
 def slice_cluster(tmp_path_factory):
   spec = ClusterSpec(n_slots=4, max_queue=8, max_ctx=256, prefill_buckets=(64,),
-                     prefill_max_batch=1, threshold=16, prefill_pod=2, decode_slice=2)
+                     prefill_max_batch=1, threshold=16, prefill_pod=2, decode_slice=2,
+                     link=LinkSpec(bandwidth_bps=200e6, rtt_s=0.01))
   c = LocalCluster(spec, tmp_path_factory.mktemp("slice_serving")).start()
   yield c
   c.stop()
@@ -51,7 +63,7 @@ def test_a_pod_streams_to_a_decode_slice_shard_to_shard_token_and_logprob_exact(
   assert list(served.slice.transfer_targets) == info["slice_transfer"]
   with BrokerClient(cluster.broker_address, timeout_s=120) as client:
     _wait_remote(client)
-    before = _stats(cluster, "decode", serving_pb2_grpc.DecodeStub)
+    before = _idle_stats(cluster, "decode", serving_pb2_grpc.DecodeStub)
     pod_before = _stats(cluster, "prefill", serving_pb2_grpc.PrefillStub)
     for i, (n, temperature) in enumerate([(40, 0.0), (70, 0.8)]):
       prompt = _prompt(n, i)
@@ -68,7 +80,7 @@ def test_a_pod_streams_to_a_decode_slice_shard_to_shard_token_and_logprob_exact(
     assert out.route != "prfaas", out.summary
     assert out.tokens == reference(tuple(prompt), 5)
     assert_logprobs(prompt, out)
-  after = _stats(cluster, "decode", serving_pb2_grpc.DecodeStub)
+  after = _idle_stats(cluster, "decode", serving_pb2_grpc.DecodeStub)
   pod_after = _stats(cluster, "prefill", serving_pb2_grpc.PrefillStub)
   assert after["slice_processes"] == 2 and after["slice_tp"] == 2
   assert after["jobs_done"] - before.get("jobs_done", 0) == 3
@@ -83,6 +95,12 @@ def test_a_pod_streams_to_a_decode_slice_shard_to_shard_token_and_logprob_exact(
   assert all(b > 0 for b in sent), sent
   total = sum(sent)
   assert max(got) < total and sum(got) <= total, (got, sent)
+  # The parts crossed the emulated link (a relay route per slice process).
+  # (The relay rewrites its statistics every 0.5 s.)
+  deadline = time.monotonic() + 20
+  while (relay := cluster.relay_stats()) is None or relay["a_to_b"]["bytes"] < sum(got):
+    assert time.monotonic() < deadline, (relay, got)
+    time.sleep(0.2)
 
 
 @pytest.mark.slow  # the slice restarts (both processes start and compile again)

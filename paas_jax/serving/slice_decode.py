@@ -157,7 +157,6 @@ class SliceParts:
     self._parts: dict[str, pod_transfer.PodParts] = {}
     self._failed: dict[str, tuple[str, str, float]] = {}
     self.parts_in = 0
-    self.bytes_in = 0
 
   def on_state(self, received) -> None:
     """One pod process's verified part. Raises (the sender's Commit fails) for
@@ -177,7 +176,6 @@ class SliceParts:
       parts = self._parts.setdefault(rid, pod_transfer.PodParts(rid, self.target))
       parts.add(received)
       self.parts_in += 1
-      self.bytes_in += received.timeline.bytes_received
       self._cv.notify_all()
 
   def on_failure(self, transfer_id: str, code: grpc.StatusCode, message: str) -> None:

@@ -41,7 +41,6 @@ import grpc
 from absl import app, flags
 
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
-from paas_jax.security import cli as security_cli
 from paas_jax.security.hooks import server_interceptors
 from paas_jax.serving import common, control_plane, handoff_probe, lockstep, logprobs, pod
 from paas_jax.serving import cli, pod_supervisor, slice_decode

@@ -31,6 +31,7 @@ from absl import app, flags
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from experiments.demo_options import resolve_pools  # noqa: E402
 from experiments.demo_workload import (PAPER_T, compute_reference, inject_fault,  # noqa: E402
                                        link_report, make_workload, run_workload,
                                        server_stats, summarize)
@@ -106,7 +107,11 @@ flags.DEFINE_string("tenant_weights", "", "Region weights for wfq, e.g. 'B=2,C=1
 flags.DEFINE_integer("prefill_pod", 1, "Region A as a pod of this many processes (TP over all; "
                      "serving/pod_prefill_server.py). --fault=kill_pod_process: pod process 1 "
                      "dies mid-prefill of the pod's 2nd request; the pod restarts as a unit.")
-POD_FAULTS = ("kill_pod_process",)
+flags.DEFINE_integer("decode_slice", 1, "Region B as a decode slice of this many processes "
+                     "(TP over all; serving/slice_decode_server.py), its only PD node. Needs a "
+                     "prefill pod and no prefix cache: left at their defaults, --prefill_pod "
+                     "becomes 2 and --prefix_block 0 (printed); conflicting flags are refused.")
+flags.DEFINE_integer("decode_slice_devices", 1, "Devices per decode slice process.")
 flags.DEFINE_bool("tls", True, "Mutual TLS between broker and regions and TLS + a bearer "
                   "token at the broker (a local CA and token in <workdir>/certs); --notls "
                   "runs every process with an explicit --insecure.")
@@ -146,6 +151,15 @@ def main(argv):
     tqdm = None
   progress = FLAGS.progress and tqdm is not None
   t_start = time.perf_counter()
+  # Before anything loads: a slice's constraints against the other flags.
+  pools = resolve_pools(
+      decode_slice=FLAGS.decode_slice, decode_slice_devices=FLAGS.decode_slice_devices,
+      prefill_pod=FLAGS.prefill_pod, prefix_block=FLAGS.prefix_block, pd_nodes=FLAGS.pd_nodes,
+      decode_regions=FLAGS.decode_regions, fault=FLAGS.fault, tls=FLAGS.tls,
+      explicit={name for name in ("prefill_pod", "prefix_block", "tls")
+                if FLAGS[name].present})
+  for note in pools.notes:
+    print(f"note       : {note}")
   if FLAGS.checkpoint:
     from paas_jax.serving import common  # pylint: disable=g-import-not-at-top
     config = common.load_model("", checkpoint=FLAGS.checkpoint)[0].config
@@ -178,10 +192,6 @@ def main(argv):
     elif netem == "auto":
       netem = "netns"
   buckets = tuple(int(b) for b in FLAGS.prefill_buckets)
-  if (FLAGS.fault in POD_FAULTS) != (FLAGS.prefill_pod > 1) and FLAGS.fault in (
-      "kill_prefill", "preempt_prefill", "corrupt_chunks", "kill_pod_process"):
-    raise app.UsageError(f"--fault={FLAGS.fault} needs --prefill_pod "
-                         + ("> 1" if FLAGS.fault in POD_FAULTS else "= 1 (chunk streaming)"))
   region_links = [link]
   for i in range(1, FLAGS.decode_regions):
     rate, _, rtt = FLAGS.region_links[min(i, len(FLAGS.region_links)) - 1].partition("/")
@@ -195,8 +205,8 @@ def main(argv):
                      threshold=threshold, link=link, netem=netem,
                      codec_compression=FLAGS.codec, router=FLAGS.router,
                      transfer_plane=FLAGS.transfer_plane,
-                     prefix_block=FLAGS.prefix_block, rebalance_every_s=2.0,
-                     compilation_cache=FLAGS.compilation_cache, tls=FLAGS.tls,
+                     prefix_block=pools.prefix_block, rebalance_every_s=2.0,
+                     compilation_cache=FLAGS.compilation_cache, tls=pools.tls,
                      prefill_faults={"kill_prefill": "kill_after_commits=1,kill_on_transfer=0",
                                      "preempt_prefill": "layer_delay_s=0.25",
                                      "corrupt_chunks": "corrupt_chunks=3"}.get(FLAGS.fault, ""),
@@ -210,8 +220,10 @@ def main(argv):
                      pd_nodes=FLAGS.pd_nodes, rebalance_apply=FLAGS.rebalance_apply,
                      checkpoint=FLAGS.checkpoint, dtype=FLAGS.dtype,
                      http=FLAGS.http_port >= 0, http_port=max(FLAGS.http_port, 0),
-                     prefill_pod=FLAGS.prefill_pod, prefill_pod_fault=(
-                         "1:prefill:2" if FLAGS.fault == "kill_pod_process" else ""))
+                     prefill_pod=pools.prefill_pod, prefill_pod_fault=(
+                         "1:prefill:2" if FLAGS.fault == "kill_pod_process" else ""),
+                     decode_slice=FLAGS.decode_slice,
+                     decode_slice_devices=FLAGS.decode_slice_devices)
   lengths = [len(r.prompt) for r in reqs]
   print(f"model      : {config.name} ("
         + (f"checkpoint {FLAGS.checkpoint}" if FLAGS.checkpoint else f"random init, seed "
@@ -222,20 +234,23 @@ def main(argv):
         f"{int(np.median(lengths))}, max {max(lengths)}")
   print(f"routing    : {FLAGS.router} router, t={threshold:g} tokens (l > t -> PrfaaS region "
         f"A); {sum(l > threshold for l in lengths)} of {len(reqs)} longer than t; prefix "
-        f"cache block {FLAGS.prefix_block or 'off'}, shared prefix "
+        f"cache block {pools.prefix_block or 'off'}, shared prefix "
         f"{FLAGS.shared_prefix_tokens} tokens")
   print(f"link A<->B : {describe(link)} via {netem}")
   for i, region_link in enumerate(region_links[1:], 1):
     print(f"link A<->{chr(ord('B') + i)} : {describe(region_link)} via relay (its own "
           f"broker and PD nodes; region A shared by {FLAGS.tenant_sharing})")
   print(f"security   : " + ("mutual TLS broker<->regions and A->B, TLS + bearer token at the "
-                            "broker" if FLAGS.tls else "PLAINTEXT (--notls)"))
+                            "broker" if pools.tls else "PLAINTEXT (--notls)"))
   if FLAGS.fault != "none":
     print(f"fault      : {FLAGS.fault} (at {FLAGS.fault_at_s:g} s, for "
           f"{FLAGS.fault_duration_s:g} s)")
-  pod_note = f" pod of {FLAGS.prefill_pod} processes" if FLAGS.prefill_pod > 1 else ""
-  print(f"starting   : region A (prefill{pod_note}), region B (decode + PD-P), WAN relay, broker "
-        "(first run compiles the engines; later runs load them from the cache) ...")
+  pod_note = f" pod of {pools.prefill_pod} processes" if pools.prefill_pod > 1 else ""
+  slice_note = (f" slice of {FLAGS.decode_slice} processes x {FLAGS.decode_slice_devices} "
+                "devices" if FLAGS.decode_slice > 1 else "")
+  print(f"starting   : region A (prefill{pod_note}), region B (decode{slice_note} + PD-P), WAN "
+        "relay, broker (first run compiles the engines; later runs load them from the "
+        "cache) ...")
   if FLAGS.launcher == "ray":
     if netem == "netns" or FLAGS.fault in ("drop_link", "stall_link"):
       raise app.UsageError("--launcher=ray runs the userspace relay and no in-process "
@@ -363,7 +378,7 @@ def main(argv):
       "pd_roles": router_info.get("roles"), "role_moves": router_info.get("role_moves"),
   }
   prefix_cache = {
-      "block_tokens": FLAGS.prefix_block, "shared_prefix_tokens": FLAGS.shared_prefix_tokens,
+      "block_tokens": pools.prefix_block, "shared_prefix_tokens": FLAGS.shared_prefix_tokens,
       "hit_tokens": int(sum(r["cached_tokens"] for r in ok)),
       "hit_tokens_by_route": {rt: int(sum(r["cached_tokens"] for r in ok if r["route"] == rt))
                               for rt in ("pdp", "prfaas")},
@@ -383,7 +398,12 @@ def main(argv):
   report = {
       "model": config.name, "seed": FLAGS.seed, "context": context,
       "routing": routing, "prefix_cache": prefix_cache,
-      "link_bandwidth_bps": link.bandwidth_bps, "decode_max_batch_size": FLAGS.n_slots,
+      "link_bandwidth_bps": link.bandwidth_bps,
+      # A slice's own figure if its stats give one (none: one request at a time).
+      "decode_max_batch_size": (decode_stats.get("slots_total") if FLAGS.decode_slice > 1
+                                else FLAGS.n_slots),
+      "prefill_pod": pools.prefill_pod, "decode_slice": FLAGS.decode_slice,
+      "decode_slice_devices": FLAGS.decode_slice_devices,
       "num_requests": len(reqs), "max_new_tokens": max_new, "threshold_tokens": threshold,
       "length_distribution": {"mu": dist.mu, "sigma": dist.sigma, "lo": dist.lo,
                               "hi": dist.hi, "paper_scale": scale},
@@ -408,7 +428,7 @@ def main(argv):
       "all_tokens_match_reference": all_match if FLAGS.reference else None,
       "requests": rows,
       "total_wall_s": time.perf_counter() - t_start,
-      "security": {"tls": FLAGS.tls, "bearer_token": FLAGS.tls},
+      "security": {"tls": pools.tls, "bearer_token": pools.tls},
       "fault": {"kind": FLAGS.fault, "at_s": FLAGS.fault_at_s,
                 "duration_s": FLAGS.fault_duration_s, "events": fault_log,
                 "reroutes": broker_stats.get("reroutes", 0),
@@ -468,6 +488,12 @@ def main(argv):
     print(f"decode pool      : {decode_stats['steps']:.0f} steps, mean "
           f"{decode_stats['mean_step_ms']:.2f} ms/step, mean batch "
           f"{decode_stats['mean_batch']:.2f} of {decode_stats['slots_total']:.0f} slots")
+  if FLAGS.decode_slice > 1:
+    print(f"decode slice     : {FLAGS.decode_slice} processes x {FLAGS.decode_slice_devices} "
+          f"devices (TP={decode_stats.get('slice_tp', 0):.0f}), "
+          f"{decode_stats.get('jobs_done', 0):.0f} requests decoded, "
+          f"{decode_stats.get('jobs_failed', 0):.0f} failed; region A a pod of "
+          f"{pools.prefill_pod} processes")
   print(f"routing          : {FLAGS.router}, t in force {routing['threshold_in_force']}, "
         f"decisions {json.dumps(reasons)}")
   if routing["rebalance"]:

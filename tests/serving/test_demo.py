@@ -13,8 +13,15 @@ import subprocess
 import sys
 
 import pytest
+from absl import app
+
+from experiments.demo_options import resolve_pools
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+DEMO = REPO / "experiments" / "demo_two_region.py"
+# The demo's defaults as resolve_pools sees them (no flag given).
+DEFAULTS = dict(decode_slice=1, decode_slice_devices=1, prefill_pod=1, prefix_block=64,
+                pd_nodes=1, decode_regions=1, fault="none", tls=True, explicit=())
 
 
 # Wall-clock guard only (not a speed check): a cold start compiles every engine of
@@ -23,7 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 def test_demo_two_region_small(tmp_path):
   out = tmp_path / "report.json"
   proc = subprocess.run(
-      [sys.executable, str(REPO / "experiments" / "demo_two_region.py"), "--num_requests=6",
+      [sys.executable, str(DEMO), "--num_requests=6",
        "--max_new_tokens=8", "--rate=20", "--trace=0:20mbit,1:5mbit,period=2",
        f"--json_out={out}", f"--workdir={tmp_path / 'work'}", "--progress=false"],
       capture_output=True, text=True, timeout=1100, cwd=REPO)
@@ -43,3 +50,83 @@ def test_demo_two_region_small(tmp_path):
   assert report["fault"]["resumed_requests"] == 0 and report["fault"]["tokens_saved"] == 0
   assert report["link_utilization"]["a_to_b"]["bytes"] >= sum(
       r["link_bytes"] for r in report["requests"])
+
+
+# --decode_slice (#16): the slice's constraints against the demo's other flags.
+
+def test_a_decode_slice_turns_defaults_that_do_not_fit_into_ones_that_do_and_says_so():
+  pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2})
+  assert (pools.prefill_pod, pools.prefix_block, pools.tls) == (2, 0, False)
+  assert len(pools.notes) == 3
+  assert "--prefill_pod=2" in pools.notes[0] and "--prefix_block=0" in pools.notes[1]
+  assert "--notls" in pools.notes[2]
+  # What the user asked for that fits is kept, with nothing to say.
+  pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2, "prefill_pod": 3, "prefix_block": 0,
+                           "tls": False, "explicit": ("prefill_pod", "prefix_block", "tls")})
+  assert (pools.prefill_pod, pools.prefix_block, pools.tls, pools.notes) == (3, 0, False, ())
+
+
+def test_without_a_slice_the_defaults_stay_as_they_are():
+  pools = resolve_pools(**DEFAULTS)
+  assert (pools.prefill_pod, pools.prefix_block, pools.tls, pools.notes) == (1, 64, True, ())
+
+
+@pytest.mark.parametrize("given, flag", [
+    ({"prefix_block": 64, "explicit": ("prefix_block",)}, "--prefix_block"),
+    ({"prefill_pod": 1, "explicit": ("prefill_pod",)}, "--prefill_pod"),
+    ({"tls": True, "explicit": ("tls",)}, "--notls"),
+    ({"pd_nodes": 2}, "--pd_nodes"),
+    ({"decode_regions": 2}, "--decode_regions"),
+    ({"fault": "drop_link"}, "--fault=drop_link"),
+    ({"fault": "corrupt_state"}, "--fault=corrupt_state"),
+    ({"fault": "kill_decode"}, "--fault=kill_decode"),
+    ({"fault": "kill_prefill"}, "--fault=kill_prefill"),
+    ({"decode_slice_devices": 0}, "--decode_slice_devices"),
+])
+def test_a_decode_slice_refuses_a_flag_it_conflicts_with_and_names_it(given, flag):
+  with pytest.raises(app.UsageError, match=flag):
+    resolve_pools(**{**DEFAULTS, "decode_slice": 2, **given})
+
+
+@pytest.mark.parametrize("given, flag", [
+    ({"decode_slice_devices": 2}, "--decode_slice_devices"),  # without a slice
+    ({"fault": "kill_pod_process"}, "--prefill_pod > 1"),
+    ({"prefill_pod": 2, "fault": "corrupt_chunks"}, "--prefill_pod = 1"),
+])
+def test_flags_that_need_a_slice_or_a_pod_are_refused_without_one(given, flag):
+  with pytest.raises(app.UsageError, match=flag):
+    resolve_pools(**{**DEFAULTS, **given})
+
+
+def test_the_demo_refuses_a_conflicting_flag_up_front_without_a_traceback(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, str(DEMO), "--decode_slice=2", "--prefix_block=64",
+       f"--json_out={tmp_path / 'report.json'}", f"--workdir={tmp_path / 'work'}"],
+      capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert proc.returncode != 0
+  assert "--prefix_block=0" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+  assert not (tmp_path / "work").exists()  # nothing started
+
+
+@pytest.mark.slow  # a pod and a slice of two processes each, and their compiles
+@pytest.mark.timeout(1200)
+def test_demo_with_region_b_as_a_decode_slice_is_token_exact(tmp_path):
+  out = tmp_path / "report.json"
+  proc = subprocess.run(
+      [sys.executable, str(DEMO), "--decode_slice=2", "--prefill_pod=2", "--num_requests=4",
+       "--max_new_tokens=8", "--rate=20", "--trace=",
+       f"--json_out={out}", f"--workdir={tmp_path / 'work'}", "--progress=false"],
+      capture_output=True, text=True, timeout=1100, cwd=REPO)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "--prefix_block=0 instead of the default 64" in proc.stdout
+  assert "every process runs plaintext (--notls)" in proc.stdout
+  assert "decode slice     : 2 processes x 1 devices (TP=2)" in proc.stdout
+  report = json.loads(out.read_text())
+  assert report["decode_slice"] == 2 and report["prefill_pod"] == 2
+  assert report["prefix_cache"]["block_tokens"] == 0
+  assert report["all_tokens_match_reference"] is True and report["errors"] == 0
+  assert report["decode_server"]["slice_processes"] == 2
+  assert report["decode_server"]["jobs_done"] == 4
+  # Both paths onto the slice: parts from the pod, and prefilled on the slice itself.
+  routes = [r["route"] for r in report["requests"]]
+  assert routes.count("pdp") >= 1 and routes.count("prfaas") >= 1, routes

@@ -1,0 +1,98 @@
+"""How the two-region demo's flags combine (pure; experiments/demo_two_region.py).
+
+Region A as a pod (--prefill_pod) and region B as a decode slice
+(--decode_slice) each rule out some of the demo's other settings
+(``launch_args.check_decode_slice`` lists the slice's). A setting the user left
+at its default is changed to one that fits, with a note to print; one the user
+asked for is refused with a ``UsageError`` naming the flag, before anything
+starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Container
+
+from absl import app
+
+# Faults that kill or damage something only a single-process region A has
+# (chunk streaming and commit points), and those that need a pod.
+SINGLE_PREFILL_FAULTS = ("kill_prefill", "preempt_prefill", "corrupt_chunks")
+POD_FAULTS = ("kill_pod_process",)
+# Faults a decode slice cannot take: a FlakyLink in front of one StateTransfer
+# port (the slice has one per process), damage in a single decode server, and
+# killing region B's one decode process (a slice restarts as a unit itself).
+SLICE_REFUSED_FAULTS = ("drop_link", "stall_link", "corrupt_state", "kill_decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSettings:
+  """Region A's pod size, the prefix cache block and TLS after the slice's
+  needs, and the notes saying what was changed from a default."""
+  prefill_pod: int
+  prefix_block: int
+  tls: bool
+  notes: tuple[str, ...] = ()
+
+
+def resolve_pools(*, decode_slice: int, decode_slice_devices: int, prefill_pod: int,
+                  prefix_block: int, pd_nodes: int, decode_regions: int, fault: str,
+                  tls: bool, explicit: Container[str]) -> PoolSettings:
+  """Checks --prefill_pod / --decode_slice against the rest. ``explicit``: the
+  names of the flags the user set (the others are at their defaults)."""
+  if prefill_pod < 1:
+    raise app.UsageError(f"--prefill_pod must be >= 1, got {prefill_pod}")
+  if decode_slice < 1 or decode_slice_devices < 1:
+    raise app.UsageError(f"--decode_slice ({decode_slice}) and --decode_slice_devices "
+                         f"({decode_slice_devices}) must be >= 1")
+  if decode_slice == 1:
+    if decode_slice_devices > 1:
+      raise app.UsageError("--decode_slice_devices applies to a decode slice: it needs "
+                           "--decode_slice > 1")
+    _check_fault(fault, prefill_pod)
+    return PoolSettings(prefill_pod, prefix_block, tls)
+  notes = []
+  where = f"a decode slice (--decode_slice={decode_slice})"
+  if prefill_pod < 2:
+    if "prefill_pod" in explicit:
+      raise app.UsageError(f"{where} takes its parts from a prefill pod: it needs "
+                           f"--prefill_pod >= 2, got --prefill_pod={prefill_pod}")
+    prefill_pod = 2
+    notes.append(f"{where} takes its parts from a prefill pod: region A runs as one "
+                 "(--prefill_pod=2)")
+  if prefix_block > 0:
+    if "prefix_block" in explicit:
+      raise app.UsageError(f"{where} keeps no prefix cache: pass --prefix_block=0, "
+                           f"not --prefix_block={prefix_block}")
+    notes.append(f"{where} keeps no prefix cache: both regions run without one "
+                 f"(--prefix_block=0 instead of the default {prefix_block})")
+    prefix_block = 0
+  if tls:
+    # The slice's processes set up their security as role "decode-slice<q>",
+    # which has no peer rules (security/peers.py): they exit at start-up.
+    if "tls" in explicit:
+      raise app.UsageError(f"{where} does not start with TLS yet: pass --notls, not --tls")
+    notes.append(f"{where} does not start with TLS yet: every process runs plaintext "
+                 "(--notls)")
+    tls = False
+  if pd_nodes > 1:
+    raise app.UsageError(f"{where} is region B's only PD node: it needs --pd_nodes=1, "
+                         f"got --pd_nodes={pd_nodes}")
+  if decode_regions > 1:
+    raise app.UsageError(f"{where} serves the only decode region: it needs "
+                         f"--decode_regions=1, got --decode_regions={decode_regions}")
+  if fault in SLICE_REFUSED_FAULTS:
+    raise app.UsageError(f"--fault={fault} does not run against {where}; the faults that "
+                         f"do: none, {', '.join(POD_FAULTS)}")
+  if fault in SINGLE_PREFILL_FAULTS:
+    raise app.UsageError(f"--fault={fault} needs a single-process region A (chunk "
+                         f"streaming), and {where} needs a prefill pod")
+  _check_fault(fault, prefill_pod)
+  return PoolSettings(prefill_pod, prefix_block, tls, tuple(notes))
+
+
+def _check_fault(fault: str, prefill_pod: int) -> None:
+  if fault in POD_FAULTS and prefill_pod < 2:
+    raise app.UsageError(f"--fault={fault} needs --prefill_pod > 1")
+  if fault in SINGLE_PREFILL_FAULTS and prefill_pod > 1:
+    raise app.UsageError(f"--fault={fault} needs --prefill_pod = 1 (chunk streaming)")

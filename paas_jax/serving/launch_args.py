@@ -91,7 +91,7 @@ def decode_args(spec, host: str, data_plane_host: str | None) -> list[str]:
     plane = "grpc" if data_plane_host else spec.transfer_plane
     return ["-m", "paas_jax.serving.slice_decode_server", *server_args(spec, host),
             "--transfer_port=0", f"--max_queue={spec.max_queue}", f"--transfer_plane={plane}",
-            f"--slice_processes={spec.decode_slice}",
+            f"--slice_slots={spec.n_slots}", f"--slice_processes={spec.decode_slice}",
             f"--slice_devices={spec.decode_slice_devices}", *spec.decode_args]
   args = ["-m", "paas_jax.serving.decode_server", *server_args(spec, host),
           "--transfer_port=0", f"--n_slots={spec.n_slots}", f"--page_size={spec.page_size}",

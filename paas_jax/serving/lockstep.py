@@ -89,6 +89,23 @@ def gather(kv, prefix: str, n: int, num_processes: int, timeout_s: float, what: 
   return reports
 
 
+def lead(kv, prefix: str, n: int, data: str, run_own: Callable[[], dict],
+         num_processes: int, timeout_s: float, what: str) -> list[dict]:
+  """Process 0: publishes job ``n`` (``data``, for ``follow``), runs its own
+  part and returns every process's report, its own first (``kv`` None: a
+  single-process region, only its own).
+
+  Raises:
+    LockstepLost: as ``gather``.
+  """
+  if kv is not None:
+    kv.key_value_set(job_key(prefix, n), data)
+  reports = [run_own()]
+  if kv is not None:
+    reports += gather(kv, prefix, n, num_processes, timeout_s, what)
+  return reports
+
+
 def agree(kv, key: str, process_id: int, num_processes: int, timeout_s: float,
           mine: dict) -> list[dict]:
   """Every process posts ``mine`` under ``<key>/<p>`` and reads everyone's (in

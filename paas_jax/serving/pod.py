@@ -128,7 +128,7 @@ def _no_barrier(name: str) -> None:
 _COMPILED: dict = {}
 
 
-def _synchronized_call(jitted, static: tuple[int, ...], args: tuple, barrier, name: str):
+def synchronized_call(jitted, static: tuple[int, ...], args: tuple, barrier, name: str):
   """Compiles ``jitted`` for ``args``, waits for the whole region at ``barrier``,
   then runs it. Gloo gives a collective only a short while for every process
   to join, and a process still compiling (compiles take long on a loaded
@@ -274,10 +274,10 @@ def region_prefill(model: Model, mesh: Mesh, prompt: Sequence[int], capacity: in
   tokens[0, :seq] = prompt
   state = jax.jit(lambda: init_state(config, 1, capacity),
                   out_shardings=shardings)()
-  token, state = _synchronized_call(
+  token, state = synchronized_call(
       _sharded_prefill, (0, 5),
       (model.graphdef, model.params, replicated(mesh, tokens), state,
-       replicated(mesh, np.array([seq], np.int32)), _StaticShardings(shardings)),
+       replicated(mesh, np.array([seq], np.int32)), StaticShardings(shardings)),
       barrier, "prefill")
   return int(_host_scalar(token)[0]), state
 
@@ -306,10 +306,10 @@ def region_prefill_logits(model: Model, mesh: Mesh, prompt: Sequence[int],
   tokens = np.zeros((1, prefill_bucket(seq)), np.int32)
   tokens[0, :seq] = prompt
   state = jax.jit(lambda: init_state(config, 1, capacity), out_shardings=shardings)()
-  logits, state = _synchronized_call(
+  logits, state = synchronized_call(
       _sharded_prefill_logits, (0, 5, 6),
       (model.graphdef, model.params, replicated(mesh, tokens), state,
-       replicated(mesh, np.array([seq], np.int32)), _StaticShardings(shardings),
+       replicated(mesh, np.array([seq], np.int32)), StaticShardings(shardings),
        NamedSharding(mesh, PartitionSpec())),
       barrier, "prefill_logits")
   return np.asarray(logits.addressable_data(0))[0], state
@@ -320,7 +320,7 @@ def region_probe_logits(model: Model, mesh: Mesh, state: DecodeState, token: int
   """Logits f32 [vocab] of one decode step of the sharded batch-1 ``state`` fed
   ``token``, the state grown to ``capacity`` first (``logit_probe.probe_logits``
   on a region; every process calls it; ``state`` is not modified)."""
-  logits = _synchronized_call(
+  logits = synchronized_call(
       _sharded_probe_logits, (0, 4, 5),
       (model.graphdef, model.params, replicated(mesh, np.array([token], np.int32)), state,
        int(capacity), NamedSharding(mesh, PartitionSpec())), barrier, "probe")
@@ -331,10 +331,10 @@ def region_step(model: Model, mesh: Mesh, state: DecodeState, token: int,
                 barrier=_no_barrier) -> tuple[int, DecodeState]:
   """One greedy decode step of a batch-1 state on the whole region."""
   shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
-  token, state = _synchronized_call(
+  token, state = synchronized_call(
       _sharded_step, (0, 4),
       (model.graphdef, model.params, replicated(mesh, np.array([token], np.int32)), state,
-       _StaticShardings(shardings)), barrier, "step")
+       StaticShardings(shardings)), barrier, "step")
   return int(_host_scalar(token)[0]), state
 
 
@@ -347,10 +347,10 @@ def region_step_logits(model: Model, mesh: Mesh, state: DecodeState, token: int,
     the same next token; the new state, sharded as ``state``).
   """
   shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
-  logits, state = _synchronized_call(
+  logits, state = synchronized_call(
       _sharded_step_logits, (0, 4, 5),
       (model.graphdef, model.params, replicated(mesh, np.array([token], np.int32)), state,
-       _StaticShardings(shardings), NamedSharding(mesh, PartitionSpec())),
+       StaticShardings(shardings), NamedSharding(mesh, PartitionSpec())),
       barrier, "step_logits")
   return np.asarray(logits.addressable_data(0))[0], state
 
@@ -398,11 +398,11 @@ def _checksums(state):
 def state_checksum(state: Any, barrier=_no_barrier) -> dict[str, int]:
   """Leaf name -> ``_leaf_checksum`` (every process of the region calls it;
   each reads the replicated result)."""
-  sums = _synchronized_call(_checksums, (), (state,), barrier, "checksum")
+  sums = synchronized_call(_checksums, (), (state,), barrier, "checksum")
   return {n: int(_host_scalar(x)) for n, x in layout.named_leaves(sums)}
 
 
-class _StaticShardings:
+class StaticShardings:
   """A shardings pytree usable as a static jit argument (hashed by value)."""
 
   def __init__(self, tree):
@@ -414,4 +414,4 @@ class _StaticShardings:
     return hash(self._key)
 
   def __eq__(self, other):
-    return isinstance(other, _StaticShardings) and self._key == other._key
+    return isinstance(other, StaticShardings) and self._key == other._key

@@ -342,18 +342,16 @@ class PodLeader:
 
   def _run(self, job: PodJob, events: queue.Queue) -> None:
     region = self.runner.region
-    if self.kv is not None:
-      self.kv.key_value_set(lockstep.job_key(JOBS, job.number), job.to_json())
-    mine = self.runner.run(job, on_first=lambda out: events.put(("first", out)))
-    reports = [mine]
-    if self.kv is not None:
-      try:
-        reports += lockstep.gather(self.kv, JOBS, job.number, region.num_processes,
-                                   region.timeout_s, f"request {job.request_id}")
-      except lockstep.LockstepLost as e:
-        self._break()
-        events.put(("error", e.code, f"pod {e.message}"))
-        return
+    try:
+      reports = lockstep.lead(
+          self.kv, JOBS, job.number, job.to_json(),
+          lambda: self.runner.run(job, on_first=lambda out: events.put(("first", out))),
+          region.num_processes, region.timeout_s, f"request {job.request_id}")
+    except lockstep.LockstepLost as e:
+      self._break()
+      events.put(("error", e.code, f"pod {e.message}"))
+      return
+    mine = reports[0]
     failed = [r for r in reports if not r.get("ok")]
     if failed:
       self.jobs_failed += 1

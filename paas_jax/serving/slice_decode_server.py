@@ -21,7 +21,9 @@ so that the broker asks the pod for per-process parts; Decode, Handoff,
 GetLoad, GetStats and the health service work as on a single-process decode
 server; ProbePrefix and ExportPrefix answer FAILED_PRECONDITION (a slice
 keeps no prefix cache), as does the Prefill service (it is not served: a
-slice is not a PD-P node for another node). Requests run one at a time.
+slice is not a PD-P node for another node). Requests are continuously
+batched: up to --slice_slots decode at once, in lockstep rounds that process
+0 composes (``slice_leader``) and every process runs (``slice_batch``).
 """
 
 from __future__ import annotations
@@ -35,17 +37,18 @@ import queue
 import sys
 import threading
 import time
-from typing import Callable
 
 import grpc
 from absl import app, flags
 
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.security.hooks import server_interceptors
-from paas_jax.serving import common, control_plane, handoff_probe, lockstep, logprobs, pod
-from paas_jax.serving import cli, pod_supervisor, slice_decode
+from paas_jax.serving import cli, common, control_plane, handoff_probe, logprobs, pod
+from paas_jax.serving import pod_supervisor
 from paas_jax.serving.decode_server import SERVICE, request_params, request_prompt
-from paas_jax.serving.slice_decode import SliceDecodeRunner, SliceJob, SliceParts
+from paas_jax.serving.slice_batch import ReadyBoard, SliceBatch, follow_rounds
+from paas_jax.serving.slice_decode import SliceJob, SliceParts
+from paas_jax.serving.slice_leader import SliceLeader, SliceRequest
 from paas_jax.serving.validation import (InvalidRequestError, check_request_identity,
                                          validate_request)
 from paas_jax.transport import LinkCounters, StateReceiver, serve_receiver
@@ -61,127 +64,6 @@ class _NoPrefixCache:
   """What control_plane reads of an engine: a slice keeps no prefix cache."""
 
   prefix_cache: None = None
-
-
-@dataclasses.dataclass
-class _Request:
-  request_id: str
-  make_job: Callable[[int], SliceJob] | None
-  events: queue.Queue
-  cancelled: threading.Event
-  submitted: float
-  params: object = None  # RequestParams (a remote request's, for its Handoff)
-  prompt_len: int = 0
-  number: int = 0        # its job's, once started
-  finished: bool = False
-
-
-class SliceLeader:
-  """Process 0: runs the requests one at a time; each becomes a job that every
-  slice process runs (``lockstep``). ``submit(request)`` queues one; its
-  ``events`` then get ``("slot", info)``, ``("token", token, logprob)``,
-  ``("finished", reason)`` or ``("error", code name, message)``. ``on_broken``
-  is called once the slice lost lockstep: its supervisor must restart it."""
-
-  def __init__(self, runner: SliceDecodeRunner, *, kv=None, on_broken: Callable | None = None):
-    self.runner = runner
-    self.kv = kv
-    self.on_broken = on_broken
-    self.broken = False
-    self.counters = collections.Counter()
-    self._queue: collections.deque[_Request] = collections.deque()
-    self._cv = threading.Condition()
-    self._n = 0
-    self.running: _Request | None = None
-    threading.Thread(target=self._loop, name="slice-leader", daemon=True).start()
-
-  @property
-  def queue_depth(self) -> int:
-    with self._cv:
-      return len(self._queue)
-
-  def submit(self, request: _Request) -> None:
-    with self._cv:
-      self._queue.append(request)
-      self._cv.notify()
-
-  def cancel(self, request: _Request) -> None:
-    """The request's RPC ended: a queued job is skipped; a started one stops
-    waiting for its parts on every process (the cancel key)."""
-    request.cancelled.set()
-    with self._cv:
-      started = request.number and not request.finished
-    if started and self.kv is not None:
-      try:
-        self.kv.key_value_set(f"{lockstep.job_key(slice_decode.JOBS, request.number)}/cancel",
-                              "1")
-      except Exception:  # pylint: disable=broad-except
-        pass  # the job ended meanwhile (its keys are gone) or the region is down
-
-  def _loop(self) -> None:
-    while True:
-      with self._cv:
-        while not self._queue:
-          self._cv.wait()
-        request = self._queue.popleft()
-        if request.cancelled.is_set():
-          self.counters["jobs_skipped"] += 1
-          continue
-        if not self.broken:  # a number is taken only by a job that is published
-          self._n += 1
-          request.number = self._n
-      if self.broken:
-        request.events.put(("error", "UNAVAILABLE", "the decode slice is restarting"))
-        continue
-      # Busy until the job's reports and counters are in, not only its tokens
-      # (the client has its last token before the other processes reported).
-      self.running = request
-      try:
-        self._run(request)
-      except Exception as e:  # pylint: disable=broad-except
-        # Peers may wait in a collective this process never reached.
-        log.exception("slice job %s failed", request.request_id)
-        self.counters["jobs_failed"] += 1
-        self._break()
-        request.events.put(("error", "UNAVAILABLE",
-                            f"slice decode failed, the slice restarts: {e!r}"))
-      finally:
-        with self._cv:
-          request.finished = True
-        self.running = None
-
-  def _run(self, request: _Request) -> None:
-    job = request.make_job(request.number)
-    region = self.runner.region
-    if self.kv is not None:
-      self.kv.key_value_set(lockstep.job_key(slice_decode.JOBS, job.number), job.to_json())
-    mine = self.runner.run(job, emit=lambda *ev: request.events.put(ev),
-                           cancelled=request.cancelled.is_set)
-    reports = [mine]
-    if self.kv is not None:
-      try:
-        reports += lockstep.gather(self.kv, slice_decode.JOBS, job.number,
-                                   region.num_processes, region.timeout_s,
-                                   f"request {job.request_id}")
-      except lockstep.LockstepLost as e:
-        self._break()
-        request.events.put(("error", e.code, f"slice {e.message}"))
-        return
-    failed = next((r for r in reports if not r.get("ok")), None)
-    if failed is not None:
-      self.counters["jobs_failed"] += 1
-      self.counters["probe_mismatch"] += int(bool(failed.get("probe_mismatch")))
-      request.events.put(("error", failed.get("code", "INTERNAL"), failed.get("error", "")))
-      return
-    self.counters["jobs_done"] += 1
-    self.counters["tokens"] += len(mine["tokens"])
-    for r in reports:
-      self.counters[f"slice_bytes_in:{r['process']}"] += r["wire_bytes"]
-
-  def _break(self) -> None:
-    self.broken = True
-    if self.on_broken is not None:
-      self.on_broken()
 
 
 class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
@@ -225,8 +107,9 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
       context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"decode slice queue full ({self.max_queue} requests waiting)")
     self.counters["requests"] += 1
-    entry = _Request(rid, None, queue.Queue(), threading.Event(), time.perf_counter(),
-                     params=params, prompt_len=len(prompt))
+    entry = SliceRequest(rid, None, queue.Queue(), threading.Event(), time.perf_counter(),
+                         params=params, prompt_len=len(prompt),
+                         remote=request.remote_prefill)
     if request.remote_prefill:
       with self._lock:
         if rid in self._awaiting:
@@ -242,7 +125,6 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
         self._awaiting.pop(rid, None)
       if not entry.finished:
         self.leader.cancel(entry)
-        self.leader.runner.parts.drop(rid)
     context.add_callback(on_rpc_done)
     yield serving_pb2.DecodeEvent(accepted=True, queue_position=self._waiting())
     yield from self._stream(entry, context)
@@ -317,11 +199,11 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
                   "ExportPrefix: a decode slice keeps no prefix cache")
 
   def GetLoad(self, request, context):
-    busy = int(self.leader.running is not None)
     return control_plane.load_report(
         control_plane.DECODE, engine=_NoPrefixCache(), link_counters=self.link_counters,
         prefill_queue_depth=0, prefill_queue_limit=self.max_queue,
-        decode_stats={"slots_total": 1, "slots_busy": busy, "waiting": self._waiting()})
+        decode_stats={"slots_total": self.leader.batch.slots,
+                      "slots_busy": self.leader.rows_busy, "waiting": self._waiting()})
 
   def ProbePrefix(self, request, context):
     return control_plane.probe_prefix(_NoPrefixCache(), request, context)
@@ -334,11 +216,14 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
   def GetStats(self, request, context):
     s = dict(self.counters)
     s.update(self.leader.counters)
-    region = self.leader.runner.region
-    s.update(queue=self._waiting(), busy=int(self.leader.running is not None),
+    batch = self.leader.batch
+    region = batch.region
+    s.update(queue=self._waiting(), busy=int(self.leader.busy),
+             slots_total=batch.slots, slots_busy=self.leader.rows_busy,
+             mean_batch=s.get("row_steps", 0) / max(1, s.get("steps", 0)),
              slice_processes=region.num_processes, slice_tp=region.tp,
-             slice_parts_in=self.leader.runner.parts.parts_in,
-             slice_parts_pending=self.leader.runner.parts.pending(),
+             slice_parts_in=batch.parts.parts_in,
+             slice_parts_pending=batch.parts.pending(),
              uptime_s=time.time() - self.started)
     return serving_pb2.StatsResponse(
         server="decode", gauges={k: float(v) for k, v in s.items()},
@@ -360,7 +245,8 @@ def process_main() -> None:
   mesh = pod.region_mesh()
   model = pod.shard_model(model, mesh)
   max_ctx = FLAGS.max_ctx or model.config.max_seq_len
-  parts = SliceParts(pid)
+  board = ReadyBoard(kv)
+  parts = SliceParts(pid, on_status=lambda rid, verdict: board.post(rid, pid, verdict))
   credentials = security.server_credentials()
   receiver = StateReceiver(
       models={model.config.name: model.config.fingerprint()}, template=lambda info: None,
@@ -371,14 +257,13 @@ def process_main() -> None:
   transfer = serve_receiver(receiver, f"{FLAGS.host}:{FLAGS.transfer_port}",
                             credentials=credentials,
                             interceptors=server_interceptors(security, metrics), **plane)
-  runner = SliceDecodeRunner(model, mesh, region, parts,
-                             receive_timeout_s=FLAGS.slice_receive_timeout_s, kv=kv)
+  batch = SliceBatch(model, mesh, region, parts, slots=FLAGS.slice_slots, kv=kv)
   address = f"{FLAGS.advertise_host or FLAGS.host}:{transfer.port}"
   if kv is not None:  # process 0 announces every process's transfer address
     kv.key_value_set(f"slice/transfer/{pid}", address)
   if pid != 0:
-    log.info("slice process %d receiving on %s, following jobs", pid, address)
-    slice_decode.follow_jobs(runner, kv)
+    log.info("slice process %d receiving on %s, following rounds", pid, address)
+    follow_rounds(batch, kv)
     return
   addresses = [address] + [kv.blocking_key_value_get(f"slice/transfer/{q}",
                                                       int(region.timeout_s * 1000))
@@ -388,7 +273,8 @@ def process_main() -> None:
 
   def broken():  # answer the failed request first, then let the supervisor restart the slice
     threading.Timer(0.5, os._exit, (1,)).start()
-  leader = SliceLeader(runner, kv=kv, on_broken=broken)
+  leader = SliceLeader(batch, board, kv=kv, steps_per_round=FLAGS.slice_steps_per_round,
+                       receive_timeout_s=FLAGS.slice_receive_timeout_s, on_broken=broken)
   servicer = SliceDecodeServicer(model.config, leader, slice_info, max_ctx=max_ctx,
                                  max_queue=FLAGS.max_queue)
   control = common.start_server(
@@ -423,6 +309,10 @@ def define_flags() -> None:
   pod_supervisor.define_region_flags("slice")
   flags.DEFINE_float("slice_receive_timeout_s", 300.0, "How long a request waits for its "
                      "state parts after its Handoff.")
+  flags.DEFINE_integer("slice_slots", 4, "Requests the slice decodes at once (rows of its "
+                       "batched state).")
+  flags.DEFINE_integer("slice_steps_per_round", 4, "Decode steps per lockstep round while "
+                       "no request waits (a waiting request joins after one step).")
 
 
 def main(argv):

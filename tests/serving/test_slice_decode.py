@@ -1,13 +1,15 @@
-"""Decode on a slice (``slice_decode``), in one process: a pod's runner streams a
-request's shards over a real StateTransfer server to a slice whose mesh spans
-two devices; the slice restores them, checks the handoff probe and decodes,
-token- and logprob-exact against single-process generation. Negative
-controls: a probe from another state fails DATA_LOSS before any token; parts
-planned for another slice mesh are refused; a whole state is refused."""
+"""Decode on a slice (``slice_batch``), in one process: a pod's runner streams
+a request's shards over a real StateTransfer server to a slice whose mesh
+spans two devices; the slice restores them, checks the handoff probe and
+decodes them in its batch, token- and logprob-exact against single-process
+generation, also with two requests of different lengths sharing the batch.
+Negative controls: a probe from another state fails DATA_LOSS before any
+token; parts planned for another slice mesh are refused; a whole state is
+refused; a missing part times out."""
 
 from __future__ import annotations
 
-import queue
+import collections
 
 import jax
 import numpy as np
@@ -16,8 +18,8 @@ import pytest
 from paas_jax.models import api
 from paas_jax.serving import logprob_check, pod
 from paas_jax.serving.pod_prefill import PodJob, PodPrefillRunner
-from paas_jax.serving.slice_decode import (SliceDecodeRunner, SliceJob, SliceParts,
-                                           decode_capacity)
+from paas_jax.serving.slice_batch import ReadyBoard, SliceBatch, SliceRound
+from paas_jax.serving.slice_decode import SliceJob, SliceParts, decode_capacity
 from paas_jax.serving.validation import RequestParams
 from paas_jax.transport import StateReceiver, StateSender, serve_receiver
 from tests.serving.test_pod import pod_config
@@ -41,14 +43,16 @@ def prefill_pod(model):
 def decode_slice(model):
   """Region B: a one-process slice whose mesh is devices 2-3, its receiver served."""
   mesh = pod.region_mesh(jax.devices()[2:4])
-  parts = SliceParts(0)
+  board = ReadyBoard()
+  parts = SliceParts(0, on_status=lambda rid, verdict: board.post(rid, 0, verdict))
   receiver = StateReceiver(models={CONFIG.name: CONFIG.fingerprint()},
                            template=lambda info: None, on_ready=parts.on_state,
                            on_failure=parts.on_failure)
   server = serve_receiver(receiver)
-  runner = SliceDecodeRunner(pod.shard_model(model, mesh), mesh, pod.RegionSpec("", 1, 0, 2),
-                             parts, receive_timeout_s=30)
-  yield runner, f"127.0.0.1:{server.port}"
+  batch = SliceBatch(pod.shard_model(model, mesh), mesh, pod.RegionSpec("", 1, 0, 2), parts,
+                     slots=3, take_timeout_s=30)
+  batch.board = board
+  yield batch, f"127.0.0.1:{server.port}"
   server.stop(grace=None)
 
 
@@ -67,10 +71,14 @@ def _prefill(prefill_pod, rid, prompt, target, params: RequestParams, slice_devi
   return firsts[0]
 
 
-def _run(runner, job):
-  events: queue.Queue = queue.Queue()
-  report = runner.run(job, emit=lambda *ev: events.put(ev))
-  return report, [events.get_nowait() for _ in range(events.qsize())]
+def _run(batch, *jobs, number=1, steps=64, events=None):
+  """One round admitting ``jobs`` into the first free rows, then up to
+  ``steps`` steps; returns its report and every request's events."""
+  events = collections.defaultdict(list) if events is None else events
+  free = [i for i, row in enumerate(batch.rows) if row is None]
+  rnd = SliceRound(number, tuple(zip(free, jobs)), steps=steps)
+  report = batch.run_round(rnd, emit=lambda rid, *ev: events[rid].append(ev))
+  return report, events
 
 
 def _params(temperature=0.0, seed=0, max_new=6, logprobs=-1):
@@ -81,15 +89,17 @@ def _params(temperature=0.0, seed=0, max_new=6, logprobs=-1):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_pod_streams_shards_to_a_slice_that_decodes_token_and_logprob_exact(
     model, prefill_pod, decode_slice, temperature):
-  runner, target = decode_slice
+  batch, target = decode_slice
   prompt, params = _prompt(45, int(temperature * 10)), _params(temperature, 7, 6, 2)
   first = _prefill(prefill_pod, "r1", prompt, target, params)
+  assert batch.board.read() == {"r1": {0: {"ok": True}}}  # every part in: admissible
   job = SliceJob.from_request(1, "r1", len(prompt), params, first_token=first.token,
                               probe=first.probe)
-  report, events = _run(runner, job)
-  assert report["ok"], report
+  report, events = _run(batch, job)
+  assert report["ok"] and not report["failed"], report
   want = api.generate(model, list(prompt), 6, sampling=params.sampling, seed=7).tokens
-  assert report["tokens"] == want
+  assert report["finished"]["r1"] == {"tokens": want, "reason": "max_tokens"}
+  events = events["r1"]
   assert events[0][0] == "slot" and events[-1] == ("finished", "max_tokens")
   tokens = [e for e in events if e[0] == "token"]
   assert [t[1] for t in tokens] == want[1:]  # the first token streams at the Handoff
@@ -97,66 +107,122 @@ def test_a_pod_streams_shards_to_a_slice_that_decodes_token_and_logprob_exact(
   cmp = logprob_check.compare(served, logprob_check.reference_logprobs(model, list(prompt),
                                                                        want))
   assert cmp.ok and cmp.steps == 6, cmp
-  assert report["wire_bytes"] > 0 and runner.parts.pending() == 0
+  assert report["wire_bytes"]["r1"] > 0 and batch.parts.pending() == 0
+  assert batch.board.read() == {} and batch.active() == 0 and batch.state is None
 
 
 def test_a_local_prefill_on_the_slice_is_token_exact_and_stops_at_a_stop_token(
     model, decode_slice):
-  runner, _ = decode_slice
+  batch, _ = decode_slice
   prompt = _prompt(30, 3)
   want = api.generate(model, list(prompt), 8).tokens
   params = RequestParams(sampling=api.SamplingParams(), max_new_tokens=8,
                          stop_tokens=(want[3],))
-  report, events = _run(runner, SliceJob.from_request(1, "loc", len(prompt), params,
-                                                      prompt=prompt))
+  report, events = _run(batch, SliceJob.from_request(1, "loc", len(prompt), params,
+                                                     prompt=prompt))
   stop = want.index(want[3]) + 1
-  assert report["tokens"] == want[:stop] and report["reason"] == "stop_token"
-  assert [e[1] for e in events if e[0] == "token"] == want[:stop]
+  assert report["finished"]["loc"] == {"tokens": want[:stop], "reason": "stop_token"}
+  assert [e[1] for e in events["loc"] if e[0] == "token"] == want[:stop]
+
+
+def test_requests_of_different_lengths_share_the_batch_token_exact(
+    model, prefill_pod, decode_slice):
+  """A remote request decodes alone for two steps; a longer local one and a
+  sampled remote one join it (the batch grows to the longest's capacity) and
+  all three step together to their own ends, each as if alone."""
+  batch, target = decode_slice
+  short, long_, third = _prompt(45, 11), _prompt(150, 12), _prompt(60, 13)
+  p_short, p_long, p_third = _params(0.0, 1, 10), _params(0.0, 2, 7), _params(0.9, 5, 9, 1)
+  first = _prefill(prefill_pod, "s", short, target, p_short)
+  events = collections.defaultdict(list)
+  r1, _ = _run(batch, SliceJob.from_request(1, "s", len(short), p_short,
+                                            first_token=first.token, probe=first.probe),
+               number=1, steps=2, events=events)
+  assert r1["steps"] == 2 and batch.active() == 1 and not r1["finished"]
+  small = batch.capacity
+  third_first = _prefill(prefill_pod, "t", third, target, p_third)
+  r2, _ = _run(batch, SliceJob.from_request(2, "l", len(long_), p_long, prompt=long_),
+               SliceJob.from_request(3, "t", len(third), p_third,
+                                     first_token=third_first.token, probe=third_first.probe),
+               number=2, steps=64, events=events)
+  assert r2["max_rows"] == 3 and batch.capacity == 0  # idle again: the batch is freed
+  assert decode_capacity(len(long_), 7) > small       # it grew for the long prompt
+  assert r2["row_steps"] > r2["steps"]                 # rows advanced together
+  finished = {**r1["finished"], **r2["finished"]}
+  for rid, prompt, params in (("s", short, p_short), ("l", long_, p_long),
+                              ("t", third, p_third)):
+    want = api.generate(model, list(prompt), params.max_new_tokens,
+                        sampling=params.sampling, seed=params.seed).tokens
+    assert finished[rid]["tokens"] == want, rid
+    streamed = [e[1] for e in events[rid] if e[0] == "token"]
+    assert streamed == (want if rid == "l" else want[1:]), rid
+  lps = [e[2] for e in events["t"] if e[0] == "token"]
+  cmp = logprob_check.compare([third_first.logprob] + lps, logprob_check.reference_logprobs(
+      model, list(third), finished["t"]["tokens"]))
+  assert cmp.ok, cmp
+
+
+def test_an_evicted_request_leaves_its_row_to_the_next(model, prefill_pod, decode_slice):
+  batch, _ = decode_slice
+  gone, kept = _prompt(30, 14), _prompt(35, 15)
+  events = collections.defaultdict(list)
+  _run(batch, SliceJob.from_request(1, "gone", len(gone), _params(max_new=20), prompt=gone),
+       SliceJob.from_request(2, "kept", len(kept), _params(max_new=9), prompt=kept),
+       number=1, steps=2, events=events)
+  row = next(i for i, r in enumerate(batch.rows) if r and r.job.request_id == "gone")
+  report = batch.run_round(SliceRound(2, evict=("gone",), steps=64),
+                           emit=lambda rid, *ev: events[rid].append(ev))
+  assert "gone" not in report["finished"] and batch.rows[row] is None
+  assert len([e for e in events["gone"] if e[0] == "token"]) == 3  # no token after it left
+  assert report["finished"]["kept"]["tokens"] == api.generate(model, list(kept), 9).tokens
 
 
 def test_negative_control_a_probe_of_another_state_fails_before_any_token(
     model, prefill_pod, decode_slice):
-  runner, target = decode_slice
+  batch, target = decode_slice
   prompt, other = _prompt(40, 4), _prompt(40, 5)
   params = _params()
   first = _prefill(prefill_pod, "p1", prompt, target, params)
   wrong = _prefill(prefill_pod, "p2", other, target, params)
-  runner.parts.drop("p2")
+  batch.parts.drop("p2")
   job = SliceJob.from_request(1, "p1", len(prompt), params, first_token=wrong.probe.token,
                               probe=wrong.probe)
-  report, events = _run(runner, job)
-  assert not report["ok"] and report["code"] == "DATA_LOSS" and report["probe_mismatch"]
-  assert "logit probe" in report["error"] and events == []
+  report, events = _run(batch, job)
+  failure = report["failed"]["p1"]
+  assert failure["code"] == "DATA_LOSS" and failure["probe_mismatch"]
+  assert "logit probe" in failure["error"] and events["p1"] == [] and batch.active() == 0
   # The same state with its own probe passes (the check is not always failing).
   first2 = _prefill(prefill_pod, "p3", prompt, target, params)
-  report, _ = _run(runner, SliceJob.from_request(2, "p3", len(prompt), params,
-                                                 first_token=first2.token, probe=first2.probe))
-  assert report["ok"] and report["tokens"][0] == first.token
+  report, _ = _run(batch, SliceJob.from_request(2, "p3", len(prompt), params,
+                                                first_token=first2.token, probe=first2.probe),
+                   number=2)
+  assert not report["failed"] and report["finished"]["p3"]["tokens"][0] == first.token
 
 
 def test_negative_control_parts_planned_for_another_slice_mesh_are_refused(
     prefill_pod, decode_slice):
-  runner, target = decode_slice
+  batch, target = decode_slice
   prompt, params = _prompt(40, 6), _params()
   first = _prefill(prefill_pod, "m1", prompt, target, params, slice_devices=1)
-  report, events = _run(runner, SliceJob.from_request(1, "m1", len(prompt), params,
-                                                      first_token=first.token,
-                                                      probe=first.probe))
-  assert not report["ok"] and report["code"] == "DATA_LOSS", report
-  assert "target placement" in report["error"] and events == []
+  report, events = _run(batch, SliceJob.from_request(1, "m1", len(prompt), params,
+                                                     first_token=first.token,
+                                                     probe=first.probe))
+  failure = report["failed"]["m1"]
+  assert failure["code"] == "DATA_LOSS", report
+  assert "target placement" in failure["error"] and events["m1"] == []
 
 
 def test_negative_control_a_whole_state_is_refused_and_a_missing_part_times_out(
     model, decode_slice):
-  runner, target = decode_slice
+  batch, target = decode_slice
   _, state = api.prefill(model, np.asarray([_prompt(20, 7)], np.int32))
   with StateSender(target) as sender, pytest.raises(Exception, match="whole state"):
     sender.send_state(state, model_id=CONFIG.name, config_fingerprint=CONFIG.fingerprint(),
                       transfer_id="whole")
   params = _params()
-  runner.receive_timeout_s = 0.5
-  report, _ = _run(runner, SliceJob.from_request(1, "never", 20, params, first_token=1))
-  assert not report["ok"] and report["code"] == "DEADLINE_EXCEEDED", report
+  batch.take_timeout_s = 0.5
+  report, _ = _run(batch, SliceJob.from_request(1, "never", 20, params, first_token=1))
+  assert report["failed"]["never"]["code"] == "DEADLINE_EXCEEDED", report
 
 
 def test_decode_capacity_covers_the_request_in_octaves():

@@ -6,19 +6,16 @@ launcher's and the supervisor's handling of a slice, and ``SliceJob`` /
 
 from __future__ import annotations
 
-import queue
-import threading
-
 import grpc
 import pytest
 
 from paas_jax.proto import serving_pb2
 from paas_jax.serving import launch_args, pod, pod_supervisor
-from paas_jax.serving import slice_decode_server as slice_server
 from paas_jax.serving.launch import ClusterSpec
 from paas_jax.serving.node_pool import DecodeTarget
 from paas_jax.serving.pod_prefill import PodJob
 from paas_jax.serving.pod_prefill_server import decode_slice_of
+from paas_jax.serving.slice_batch import SliceRound
 from paas_jax.serving.slice_decode import SliceJob, SliceParts, SliceReceiveError
 from paas_jax.serving.validation import InvalidRequestError, RequestParams
 from paas_jax.models.api import SamplingParams
@@ -132,56 +129,19 @@ def test_slice_parts_fail_a_job_with_its_transfers_status_and_honour_a_cancel():
   assert e.value.code == "DEADLINE_EXCEEDED" and parts.pending() == 0
 
 
-class _Runner:
-  """Runs jobs as a slice process would report them (no JAX program)."""
-
-  def __init__(self, outcome="ok"):
-    self.region = pod.RegionSpec("", 1, 0, 1, 5.0)
-    self.parts = SliceParts(0)
-    self.outcome = outcome
-    self.ran = []
-
-  def run(self, job, emit, cancelled=None):
-    self.ran.append(job.number)
-    if self.outcome == "raise":
-      raise RuntimeError("lost a collective")
-    if self.outcome == "refused":
-      return {"ok": False, "process": 0, "wire_bytes": 0, "code": "DATA_LOSS",
-              "error": "the received state failed the logit probe", "probe_mismatch": True}
-    emit("token", 5, None)
-    emit("finished", "max_tokens")
-    return {"ok": True, "process": 0, "wire_bytes": 10, "tokens": [4, 5]}
+def test_a_slice_round_round_trips_with_its_jobs():
+  job = SliceJob.from_request(4, "r/1", 33, RequestParams(max_new_tokens=3), first_token=11)
+  rnd = SliceRound(7, ((2, job),), evict=("a",), drop=("b", "c"), steps=4)
+  assert SliceRound.from_json(rnd.to_json()) == rnd
 
 
-def _request(rid, params=RequestParams()):
-  return slice_server._Request(
-      rid, lambda n: SliceJob.from_request(n, rid, 3, params, prompt=(1, 2, 3)),
-      queue.Queue(), threading.Event(), 0.0)
-
-
-def _events(request, n):
-  return [request.events.get(timeout=10) for _ in range(n)]
-
-
-def test_the_slice_leader_skips_cancelled_requests_and_reports_refusals_and_breaks():
-  leader = slice_server.SliceLeader(_Runner())
-  skipped, ran = _request("a"), _request("b")
-  skipped.cancelled.set()
-  leader.submit(skipped)
-  leader.submit(ran)
-  assert _events(ran, 2) == [("token", 5, None), ("finished", "max_tokens")]
-  assert skipped.events.empty() and skipped.number == 0 and ran.number == 1
-  refused = slice_server.SliceLeader(_Runner("refused"))
-  r = _request("c")
-  refused.submit(r)
-  assert _events(r, 1)[0][:2] == ("error", "DATA_LOSS")
-  assert refused.counters["probe_mismatch"] == 1 and not refused.broken
-  broken = threading.Event()
-  lost = slice_server.SliceLeader(_Runner("raise"), on_broken=broken.set)
-  first, second = _request("d"), _request("e")
-  lost.submit(first)
-  lost.submit(second)
-  assert _events(first, 1)[0][:2] == ("error", "UNAVAILABLE") and broken.is_set()
-  kind, code, message = _events(second, 1)[0]
-  assert (kind, code) == ("error", "UNAVAILABLE") and "restarting" in message
-  assert lost.runner.ran == [1] and second.number == 0  # no job number without a job
+def test_slice_parts_announce_complete_failed_and_gone():
+  heard = []
+  parts = SliceParts(1, on_status=lambda rid, verdict: heard.append((rid, verdict)))
+  parts.on_failure("pod:r1:0->1", grpc.StatusCode.DATA_LOSS, "crc mismatch")
+  assert heard[-1][0] == "r1" and heard[-1][1]["code"] == "DATA_LOSS"
+  parts.drop("r1")  # the failure goes with the request
+  assert heard[-1] == ("r1", None)
+  with pytest.raises(SliceReceiveError) as e:
+    parts.take("r1", 0.05)
+  assert e.value.code == "DEADLINE_EXCEEDED" and heard[-1] == ("r1", None)

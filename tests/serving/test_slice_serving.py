@@ -5,13 +5,15 @@ region B a decode slice of two processes (its own TP=2 mesh), and the broker.
 The broker learns the slice from its GetModel (each process's transfer
 address) and asks the pod for per-process parts; each pod process streams to
 each slice process only the shard bytes that process needs, the slice
-restores them in place, checks the handoff probe and decodes in lockstep.
-Tokens and logprobs are compared with single-process generation, for
-offloaded (PrfaaS) and local (prefilled on the slice) requests.
+restores them in place, checks the handoff probe and decodes in lockstep,
+continuously batched. Tokens and logprobs are compared with single-process
+generation, for offloaded (PrfaaS) and local (prefilled on the slice)
+requests, one at a time and sharing the batch.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -80,10 +82,24 @@ def test_a_pod_streams_to_a_decode_slice_shard_to_shard_token_and_logprob_exact(
     assert out.route != "prfaas", out.summary
     assert out.tokens == reference(tuple(prompt), 5)
     assert_logprobs(prompt, out)
+    # Concurrent requests share the slice's batch, each token-exact.
+    jobs = [(_prompt(30 + 9 * i, 30 + i), route, temperature)
+            for i, (route, temperature) in enumerate([("local", 0.0), ("local", 0.7),
+                                                      ("remote", 0.0)])]
+
+    def run(i):
+      prompt, route, temperature = jobs[i]
+      return client.generate(prompt_ids=prompt, max_new_tokens=12, route=route,
+                             request_id=f"slice-batch-{i}", temperature=temperature, seed=3)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+      outs = list(pool.map(run, range(3)))
+    for (prompt, _, temperature), out in zip(jobs, outs):
+      assert out.tokens == reference(tuple(prompt), 12, temperature, 0, 1.0, 3), out.summary
   after = _idle_stats(cluster, "decode", serving_pb2_grpc.DecodeStub)
   pod_after = _stats(cluster, "prefill", serving_pb2_grpc.PrefillStub)
   assert after["slice_processes"] == 2 and after["slice_tp"] == 2
-  assert after["jobs_done"] - before.get("jobs_done", 0) == 3
+  assert after["jobs_done"] - before.get("jobs_done", 0) == 6
+  assert after["max_batch"] >= 2 and after["slots_total"] == 4, after
   assert after.get("jobs_failed", 0) == 0 and after["slice_parts_pending"] == 0
   # Shard to shard: each slice process received its own part from each pod
   # process (heads split, replicated leaves to both), never the whole state

@@ -10,9 +10,12 @@ region A as the same prefill pod (``--pod`` processes; a slice takes its parts
 from a pod), their own relay (--link) and broker. Every prompt is longer than
 the threshold and sent with route="remote", so it is prefilled in region A,
 streamed shard by shard to region B and decoded there; the same prompts go to
-both clusters, alternating which goes first, one request at a time (the slice
-decodes one request at a time, so this measures the cost per request, not
-batching). After one warm-up prompt per length (compiles) the JSON reports,
+both clusters, alternating which goes first, one request at a time (the cost
+per request). Then ``--bursts`` bursts of ``--burst`` requests measure batching: each
+burst's prompts go to each cluster all at once and then one at a time (output
+tokens per second of each; at once over one at a time is the batching gain),
+and the slice's GetStats say how many rows shared a step.
+After one warm-up prompt per length (compiles) the JSON reports,
 per cluster and prompt length, the medians of the client's TTFT, time per
 output token and end-to-end latency, the transfer time and link bytes, and
 the slice / single ratios; the tokens of the two clusters are compared with
@@ -26,6 +29,7 @@ so by default the single decode server takes its states over gRPC too
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -41,6 +45,7 @@ sys.path.insert(0, str(REPO))
 from paas_jax.client import BrokerClient  # noqa: E402
 from paas_jax.models import api  # noqa: E402
 from paas_jax.netem import LinkSpec, parse_rate  # noqa: E402
+from paas_jax.proto import serving_pb2, serving_pb2_grpc  # noqa: E402
 from paas_jax.serving import common  # noqa: E402
 from paas_jax.serving.launch import ClusterSpec, LocalCluster  # noqa: E402
 
@@ -54,6 +59,12 @@ flags.DEFINE_integer("max_new_tokens", 16, "Tokens generated per request.")
 flags.DEFINE_string("link", "200mbit/20", "Each cluster's link, rate/rtt_ms.")
 flags.DEFINE_enum("transfer_plane", "grpc", ["grpc", "tcp"], "What carries the single "
                   "decode server's states (the slice's parts ride gRPC behind a relay).")
+flags.DEFINE_integer("burst", 4, "Then: bursts of this many requests sent at once to each "
+                     "cluster (0: none), to measure batching.")
+flags.DEFINE_integer("bursts", 3, "Measured bursts per cluster (after one warm-up burst).")
+flags.DEFINE_integer("burst_max_new_tokens", 64, "Tokens per request of a burst (long enough "
+                     "that a burst's requests, prefilled one after another by the pod, "
+                     "overlap in decode).")
 flags.DEFINE_string("json_out", "docs/results/bench_slice_serving.json", "Where to write.")
 flags.DEFINE_string("workdir", "runs/bench_slice_serving", "Logs of the processes.")
 
@@ -132,6 +143,7 @@ def main(argv):
                              "link_bytes": int(s.get("link_bytes", 0)),
                              "output_tokens": len(out.tokens)})
       equal_between &= got["single"] == got["slice"]
+    bursts = _bursts(clusters, clients, model, rng, lengths) if FLAGS.burst > 0 else {}
     for c in clients.values():
       c.close()
   finally:
@@ -141,6 +153,7 @@ def main(argv):
             "decode_slice": {"single": 1, "slice": FLAGS.slice},
             # Requests were sent one at a time (the slice decodes one at a time).
             "concurrency": 1, "route": "remote (prefilled by the pod)",
+            "bursts": bursts,
             "link": FLAGS.link,
             "transfer_plane": {"single": FLAGS.transfer_plane, "slice": "grpc"},
             # Per length, one warm-up prompt (compiles; not measured), then these.
@@ -161,8 +174,62 @@ def main(argv):
   pathlib.Path(FLAGS.json_out).parent.mkdir(parents=True, exist_ok=True)
   pathlib.Path(FLAGS.json_out).write_text(json.dumps(report, indent=1))
   print(json.dumps({k: v for k, v in report.items() if k != "rows"}, indent=1))
-  exact = equal_between and all(match_reference.values())
+  exact = (equal_between and all(match_reference.values())
+           and all(b["tokens_match_reference"] for k, b in bursts.items() if k in clusters))
   return 0 if exact and all(rows.values()) else 1
+
+
+def _decode_stats(cluster) -> dict:
+  with cluster.channel("decode") as ch:
+    return dict(serving_pb2_grpc.DecodeStub(ch).GetStats(serving_pb2.StatsRequest(),
+                                                         timeout=30).gauges)
+
+
+def _bursts(clusters, clients, model, rng, lengths) -> dict:
+  """Bursts of ``--burst`` remote requests, clusters in turn (the first burst
+  a warm-up): each burst's prompts sent all at once and then one at a time,
+  alternating which goes first; per cluster the median tokens/s of each mode
+  and their ratio (the batching gain)."""
+  out = {}
+  modes = ("at_once", "one_at_a_time")
+  per_cluster = {name: {m: [] for m in modes} for name in clusters}
+  match = {name: True for name in clusters}
+  new = FLAGS.burst_max_new_tokens
+  for b in range(FLAGS.bursts + 1):
+    prompts = [[int(t) for t in rng.integers(1, 256, lengths[i % len(lengths)])]
+               for i in range(FLAGS.burst)]
+    wants = [api.generate(model, p, new).tokens for p in prompts]
+    for name in (list(clusters) if b % 2 == 0 else list(clusters)[::-1]):
+      for mode in (modes if b % 2 == 0 else modes[::-1]):
+        def one(i, name=name, b=b, mode=mode):
+          return clients[name].generate(prompt_ids=prompts[i], max_new_tokens=new,
+                                        route="remote",
+                                        request_id=f"{name}-burst{b}-{mode}-{i}")
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(
+            FLAGS.burst if mode == "at_once" else 1) as pool:
+          outs = list(pool.map(one, range(FLAGS.burst)))
+        wall = time.perf_counter() - t0
+        match[name] &= [o.tokens for o in outs] == wants
+        tokens = sum(len(o.tokens) for o in outs)
+        print(f"{name:6s} burst {b} {mode:13s}: {tokens / wall:7.1f} tok/s "
+              f"{'warm-up' if b == 0 else ''}", flush=True)
+        if b:
+          per_cluster[name][mode].append({"wall_s": wall, "tokens": tokens,
+                                          "tokens_per_s": tokens / wall,
+                                          "prfaas": sum(o.route == "prfaas" for o in outs)})
+  for name, cluster in clusters.items():
+    stats = _decode_stats(cluster)
+    rates = {m: _median([r["tokens_per_s"] for r in per_cluster[name][m]]) for m in modes}
+    out[name] = {"tokens_per_s": rates, "batching_gain": rates["at_once"]
+                 / rates["one_at_a_time"], "tokens_match_reference": bool(match[name]),
+                 "rows": per_cluster[name], "decode_max_batch": stats.get("max_batch"),
+                 "decode_mean_batch": stats.get("mean_batch")}
+  out["burst"] = FLAGS.burst
+  out["max_new_tokens"] = new
+  out["slice_over_single_tokens_per_s"] = {
+      m: out["slice"]["tokens_per_s"][m] / out["single"]["tokens_per_s"][m] for m in modes}
+  return out
 
 
 if __name__ == "__main__":

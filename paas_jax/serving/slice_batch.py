@@ -20,7 +20,8 @@ store, one ``SliceRound`` at a time; every process, process 0 too, runs it
      local (the slice prefills the prompt itself): the sharded prefill and the
        first token sampled as the single-process engine samples it;
      then the row's state, grown to the batch's capacity, is written into the
-     batch (the batch grows first if the request needs more positions);
+     batch (which first widens if the row is above its width, or grows if the
+     request needs more positions; it narrows again when its top rows free);
   4. ``steps`` batched decode steps: every row is fed its last token, each
      row's next token is sampled from the replicated logits with its own seed
      at its own position (as ``slot_pool.generate_step``), and a row that
@@ -172,9 +173,18 @@ def _insert_row(batch, one, slot, out_shardings):
                                           out_shardings.tree)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=(0,))
-def _grow_batch(batch, capacity, out_shardings):
-  return jax.lax.with_sharding_constraint(batch.grow(capacity), out_shardings.tree)
+@functools.partial(jax.jit, static_argnums=(1, 2, 3), donate_argnums=(0,))
+def _resize_batch(batch, width, capacity, out_shardings):
+  """``batch`` with ``width`` rows (zero rows added, or trailing free rows cut)
+  and its growing caches grown to ``capacity`` positions."""
+  batch = batch.grow(capacity)
+
+  def rows(x):
+    if x.shape[0] >= width:
+      return x[:width]
+    return jnp.pad(x, [(0, width - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+  return jax.lax.with_sharding_constraint(jax.tree_util.tree_map(rows, batch),
+                                          out_shardings.tree)
 
 
 class SliceBatch:
@@ -206,7 +216,11 @@ class SliceBatch:
     self.placement = pod.state_placement(self.config, MeshSpec.from_mesh(mesh))
     self.whole = NamedSharding(mesh, PartitionSpec())
     self.rows: list[_Row | None] = [None] * slots
-    self.state = None      # DecodeState [slots, capacity], sharded; None while idle
+    # DecodeState [width, capacity], sharded; None while idle. Its width is the
+    # power of two (at most ``slots``) above the highest busy row, so that a
+    # lone request steps a batch of one (the leader fills the lowest rows).
+    self.state = None
+    self.width = 0
     self.capacity = 0
     self._shardings = None
 
@@ -241,8 +255,29 @@ class SliceBatch:
       report["steps"] += 1
       self._step(emit, report)
     if not self.active():
-      self.state, self.capacity, self._shardings = None, 0, None  # idle: free the batch
+      self.state, self.width, self.capacity, self._shardings = None, 0, 0, None  # idle
+    elif self._width_for(self._highest_row()) < self.width:
+      self._resize(self._width_for(self._highest_row()), self.capacity)
     return report
+
+  def _highest_row(self) -> int:
+    return max(i for i, r in enumerate(self.rows) if r is not None)
+
+  def _width_for(self, row: int) -> int:
+    return min(self.slots, 1 << row.bit_length())
+
+  def _resize(self, width: int, capacity: int) -> None:
+    self.width, self.capacity = width, capacity
+    self._shardings = pod.state_shardings(self.config, self.mesh, width, capacity)
+    if self.state is None:
+      config = self.config
+      self.state = jax.jit(lambda: init_state(config, width, capacity),
+                           out_shardings=self._shardings)()
+      return
+    self.state = pod.synchronized_call(
+        _resize_batch, (1, 2, 3),
+        (self.state, width, capacity, pod.StaticShardings(self._shardings)),
+        self.barrier, "slice_resize")
 
   def _admit(self, number: int, slot: int, job: SliceJob, emit: Emit, report: dict) -> None:
     rid, params = job.request_id, job.params
@@ -275,19 +310,11 @@ class SliceBatch:
     self.rows[slot] = _Row(job, params, tokens)
 
   def _place(self, slot: int, one, capacity: int) -> None:
-    """Writes the batch-1 ``one`` into row ``slot``, growing the batch first."""
-    if self.state is None or capacity > self.capacity:
-      self.capacity = max(capacity, self.capacity)
-      self._shardings = pod.state_shardings(self.config, self.mesh, self.slots, self.capacity)
-      if self.state is None:
-        config, slots, cap = self.config, self.slots, self.capacity
-        self.state = jax.jit(lambda: init_state(config, slots, cap),
-                             out_shardings=self._shardings)()
-      else:
-        self.state = pod.synchronized_call(
-            _grow_batch, (1, 2), (self.state, self.capacity,
-                                  pod.StaticShardings(self._shardings)),
-            self.barrier, "slice_grow")
+    """Writes the batch-1 ``one`` into row ``slot``, widening or growing the
+    batch first."""
+    width = max(self.width, self._width_for(slot))
+    if self.state is None or width > self.width or capacity > self.capacity:
+      self._resize(width, max(capacity, self.capacity))
     self.state = pod.synchronized_call(
         _insert_row, (3,), (self.state, one, pod.replicated(self.mesh, np.array([slot],
                                                                                 np.int32)),
@@ -295,7 +322,7 @@ class SliceBatch:
         self.barrier, "slice_insert")
 
   def _step(self, emit: Emit, report: dict) -> None:
-    rows = self.rows
+    rows = self.rows[:self.width]  # every busy row is below the width
     feed = np.array([r.tokens[-1] if r else 0 for r in rows], np.int32)
     active = np.array([r is not None for r in rows])
     logits, self.state = pod.synchronized_call(

@@ -139,6 +139,7 @@ def test_requests_of_different_lengths_share_the_batch_token_exact(
                                             first_token=first.token, probe=first.probe),
                number=1, steps=2, events=events)
   assert r1["steps"] == 2 and batch.active() == 1 and not r1["finished"]
+  assert batch.width == 1  # a lone request steps a batch of one
   small = batch.capacity
   third_first = _prefill(prefill_pod, "t", third, target, p_third)
   r2, _ = _run(batch, SliceJob.from_request(2, "l", len(long_), p_long, prompt=long_),
@@ -164,16 +165,20 @@ def test_requests_of_different_lengths_share_the_batch_token_exact(
 
 def test_an_evicted_request_leaves_its_row_to_the_next(model, prefill_pod, decode_slice):
   batch, _ = decode_slice
+  """The request in row 1 leaves: the batch narrows to one row, and the
+  request in row 0 goes on as if alone."""
   gone, kept = _prompt(30, 14), _prompt(35, 15)
   events = collections.defaultdict(list)
-  _run(batch, SliceJob.from_request(1, "gone", len(gone), _params(max_new=20), prompt=gone),
-       SliceJob.from_request(2, "kept", len(kept), _params(max_new=9), prompt=kept),
+  _run(batch, SliceJob.from_request(1, "kept", len(kept), _params(max_new=9), prompt=kept),
+       SliceJob.from_request(2, "gone", len(gone), _params(max_new=20), prompt=gone),
        number=1, steps=2, events=events)
-  row = next(i for i, r in enumerate(batch.rows) if r and r.job.request_id == "gone")
-  report = batch.run_round(SliceRound(2, evict=("gone",), steps=64),
+  assert batch.rows[1].job.request_id == "gone" and batch.width == 2
+  report = batch.run_round(SliceRound(2, evict=("gone",), steps=1),
                            emit=lambda rid, *ev: events[rid].append(ev))
-  assert "gone" not in report["finished"] and batch.rows[row] is None
+  assert "gone" not in report["finished"] and batch.rows[1] is None and batch.width == 1
   assert len([e for e in events["gone"] if e[0] == "token"]) == 3  # no token after it left
+  report = batch.run_round(SliceRound(3, steps=64),
+                           emit=lambda rid, *ev: events[rid].append(ev))
   assert report["finished"]["kept"]["tokens"] == api.generate(model, list(kept), 9).tokens
 
 

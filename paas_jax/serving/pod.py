@@ -136,15 +136,24 @@ def synchronized_call(jitted, static: tuple[int, ...], args: tuple, barrier, nam
   together. Compiled programs are kept per (function, static args, avals)."""
   dynamic = tuple(a for i, a in enumerate(args) if i not in static)
   leaves, treedef = jax.tree_util.tree_flatten(dynamic)
-  key = (name, tuple(args[i] for i in static), treedef,
-         tuple((np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
+  statics = tuple(args[i] for i in static)
+  key = (name, tuple(_static_key(a) for a in statics), treedef,
+         tuple((np.shape(x), getattr(x, "dtype", type(x)), getattr(x, "sharding", None))
                for x in leaves))
-  compiled = _COMPILED.get(key)
-  if compiled is None:
-    compiled = jitted.lower(*args).compile()
+  entry = _COMPILED.get(key)
+  if entry is None:
+    # The static arguments stay referenced so that an id in the key is never reused.
+    entry = (jitted.lower(*args).compile(), statics)
     barrier(name)
-    _COMPILED[key] = compiled
-  return compiled(*dynamic)
+    _COMPILED[key] = entry
+  return entry[0](*dynamic)
+
+
+def _static_key(x):
+  """A model's graph definition by identity: flax hashes a ``GraphDef`` anew on
+  every call (~2 ms for a small model: as much as a decode step's own work),
+  and a region keeps one per model."""
+  return ("graphdef", id(x)) if isinstance(x, nnx.graph.GraphDef) else x
 
 
 def region_mesh(devices: Sequence[Any] | None = None) -> Mesh:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import threading
 import time
 from concurrent import futures
@@ -162,9 +163,10 @@ class Inbound:
     self.reserved = 0
     self.held = 0
     self.descriptors: dict[int, LayerEntry] = {}
-    # Each adopted descriptor's parsed JSON: Commit's manifest reuses a layer
-    # whose JSON equals it instead of parsing it again.
-    self.descriptor_json: dict[int, dict] = {}
+    # Each adopted descriptor's (parsed JSON, text): Commit's manifest reuses a
+    # layer whose JSON equals it instead of parsing it again
+    # (``manifest_from_descriptors``).
+    self.descriptor_json: dict[int, tuple[dict, str]] = {}
     self.expected: dict[int, dict[str, int]] = {}  # layer -> key -> crc32c
     self.verified: dict[str, tuple[int, int]] = {}  # key -> (layer, crc32c)
     self.pending: dict[str, bytes] = {}
@@ -200,6 +202,42 @@ class Inbound:
         first_byte_s=self.first_byte, last_byte_s=self.last_byte, ready_s=ready,
         bytes_received=self.bytes_received, chunks_received=self.chunks_received,
         rejected_chunks=self.rejected, layers_complete_s=dict(self.layers_complete))
+
+
+def manifest_from_descriptors(text: str, t: "Inbound") -> StateManifest | None:
+  """Commit's manifest without parsing its layers again, when it is what a
+  sender that splices its descriptors' texts sends (``StateManifest.to_json``
+  with ``serialized``): the header's JSON, then exactly the texts of the
+  descriptors this transfer adopted. Only the header is parsed; the groups
+  are the adopted entries. None where the text is anything else (the caller
+  parses it in full): text equality is stricter than the parsed-JSON
+  equality the full parse checks.
+
+  Why the split is sound: if ``head + "}"`` is a JSON object on its own, the
+  tail after it sits at the top level of the whole text (a string or object
+  left open in ``head`` would make ``head + "}"`` invalid), so parsing the
+  whole text gives the same header plus these groups."""
+  with t.lock:
+    parsed = dict(t.descriptor_json)
+    entries = dict(t.descriptors)
+  n = t.info.num_layers
+  if len(parsed) != n + 1 or any(i not in parsed for i in range(GLOBAL_LAYER_INDEX, n)):
+    return None
+  tail = (', "layers": [' + ", ".join(parsed[i][1] for i in range(n))
+          + '], "state_arrays": ' + parsed[GLOBAL_LAYER_INDEX][1] + "}")
+  if len(text) <= len(tail) or not text.endswith(tail):
+    return None
+  try:
+    head = json.loads(text[:len(text) - len(tail)] + "}")
+  except ValueError:
+    return None
+  if not isinstance(head, dict) or "layers" in head or "state_arrays" in head:
+    return None
+  head["layers"] = [parsed[i][0] for i in range(n)]
+  head["state_arrays"] = parsed[GLOBAL_LAYER_INDEX][0]
+  # The same dicts as ``known``: from_dict's equality check is then trivial.
+  known = {i: (raw, entries[i]) for i, (raw, _) in parsed.items()}
+  return StateManifest.from_dict(head, known)
 
 
 def location(layer: int, key: str) -> str:

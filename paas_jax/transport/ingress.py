@@ -140,10 +140,10 @@ class FrameIngress:
       raise TransferRefused(e.code, e.message) from None
 
 
-def _parse_descriptor(layer_json: str, layer: int) -> tuple[LayerEntry, dict]:
-  """A layer descriptor's entry and its parsed JSON. Raises TransferFailed."""
+def _parse_descriptor(layer_json: str, layer: int) -> tuple[LayerEntry, tuple[dict, str]]:
+  """A layer descriptor's entry and (its parsed JSON, its text). Raises TransferFailed."""
   try:
     raw = json.loads(layer_json)
-    return LayerEntry.from_dict(raw), raw
+    return LayerEntry.from_dict(raw), (raw, layer_json)
   except (ValueError, KeyError, TypeError) as e:
     raise TransferFailed(Code.INVALID_ARGUMENT, f"layer {layer}: bad descriptor: {e}") from None

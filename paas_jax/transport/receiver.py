@@ -43,7 +43,7 @@ from paas_jax.codec.store import crc32c
 from paas_jax.proto import transport_pb2, transport_pb2_grpc
 from paas_jax.transport.inbound import (Inbound, ReceivedState, ReceiverOptions, RpcRefused,
                                         SenderClock, TemplateFn, TransferFailed, TransferInfo,
-                                        location, restore_layer)
+                                        location, manifest_from_descriptors, restore_layer)
 from paas_jax.transport.ingress import FrameIngress
 from paas_jax.transport.timeline import ReceiveTimeline
 
@@ -298,9 +298,9 @@ class StateReceiver(FrameIngress, transport_pb2_grpc.StateTransferServicer):
       self._active[tid] = t
     return response
 
-  def _adopt_descriptor(self, t: Inbound, entry: LayerEntry, raw: dict | None,
+  def _adopt_descriptor(self, t: Inbound, entry: LayerEntry, raw: tuple[dict, str] | None,
                         layer_index: int) -> None:
-    """``raw``: the descriptor's parsed JSON (None: a group of Commit's manifest)."""
+    """``raw``: the descriptor's (parsed JSON, text); None: a group of Commit's manifest."""
     if entry.index != layer_index:
       raise TransferFailed(Code.INVALID_ARGUMENT,
                     f"descriptor of layer {entry.index} sent as layer {layer_index}")
@@ -420,10 +420,12 @@ class StateReceiver(FrameIngress, transport_pb2_grpc.StateTransferServicer):
     t = None
     try:
       t = self._get(request.transfer_id)
-      with t.lock:
-        known = {i: (raw, t.descriptors[i]) for i, raw in t.descriptor_json.items()}
       try:
-        manifest = StateManifest.from_json(request.manifest_json, known)
+        manifest = manifest_from_descriptors(request.manifest_json, t)
+        if manifest is None:
+          with t.lock:
+            known = {i: (raw, t.descriptors[i]) for i, (raw, _) in t.descriptor_json.items()}
+          manifest = StateManifest.from_json(request.manifest_json, known)
       except (ValueError, KeyError, TypeError) as e:
         raise TransferFailed(Code.INVALID_ARGUMENT, f"Commit: bad manifest: {e}") from None
       info = t.info

@@ -163,20 +163,28 @@ class Transfer(PushStreams):
       self._check()
       if self._stream is None:
         self._frames.close()
-      self._wait_streams()
-      if self._begin_frame is not None:
-        self._begin_reply()
-      missing = set(self._entries) ^ set(range(-1, self.num_layers))
-      if missing:
-        raise TransferError(Code.INVALID_ARGUMENT,
-                            f"layers {sorted(missing)} were never sent",
-                            self.transfer_id)
-      manifest = build_manifest(list(self._entries.values()), model_id=self.model_id,
-                                config_fingerprint=self.config_fingerprint,
-                                token_count=self.token_count,
-                                batch=self._batch,
-                                options=self.codec)
-      ready = self._commit_with_retries(manifest)
+      if self._plane_control:
+        # The manifest is built while the frames are in flight, and COMMIT
+        # leaves from the lane that reads the last acknowledgement: no
+        # thread has to wake up between the state arriving and COMMIT.
+        manifest = self._build_manifest()
+        request = self._commit_request(manifest)
+        armed = self._stream.call_when_drained(plane_frames.COMMIT,
+                                               request.SerializeToString())
+        try:
+          body = self._stream.reply(armed, timeout_s=self._options.commit_timeout_s)
+        finally:
+          self._recorder.queue_peak(self._stream.peak_bytes)
+        first = transport_pb2.CommitResponse.FromString(body)
+        if self._begin_frame is not None:
+          self._begin_reply()  # answered before the frames behind it
+        ready = self._commit_with_retries(manifest, request, first)
+      else:
+        self._wait_streams()
+        if self._begin_frame is not None:
+          self._begin_reply()
+        manifest = self._build_manifest()
+        ready = self._commit_with_retries(manifest, self._commit_request(manifest))
       if self._stream is not None:
         self._stream.close()
         self._stream.wait()  # nothing outstanding: gives the connections back
@@ -439,10 +447,24 @@ class Transfer(PushStreams):
     self._rejected = {}
     self._wait_streams()
 
-  def _commit_with_retries(self, manifest: StateManifest) -> float:
-    request = transport_pb2.CommitRequest(transfer_id=self.transfer_id,
-                                          manifest_json=manifest.to_json(self._entry_json))
-    pending = dict(self._rejected)
+  def _build_manifest(self) -> StateManifest:
+    missing = set(self._entries) ^ set(range(-1, self.num_layers))
+    if missing:
+      raise TransferError(Code.INVALID_ARGUMENT, f"layers {sorted(missing)} were never sent",
+                          self.transfer_id)
+    return build_manifest(list(self._entries.values()), model_id=self.model_id,
+                          config_fingerprint=self.config_fingerprint,
+                          token_count=self.token_count, batch=self._batch, options=self.codec)
+
+  def _commit_request(self, manifest: StateManifest) -> transport_pb2.CommitRequest:
+    return transport_pb2.CommitRequest(transfer_id=self.transfer_id,
+                                       manifest_json=manifest.to_json(self._entry_json))
+
+  def _commit_with_retries(self, manifest: StateManifest,
+                           request: transport_pb2.CommitRequest,
+                           response: transport_pb2.CommitResponse | None = None) -> float:
+    """``response``: the answer to a COMMIT already sent (the armed one)."""
+    pending = {} if response is not None else dict(self._rejected)
     rounds = 0
     while True:
       while pending:
@@ -456,14 +478,15 @@ class Transfer(PushStreams):
         rounds += 1
         self._resend(pending, rounds)
         pending = dict(self._rejected)
-      response = self._commit_once(request)
+      if response is None:
+        response = self._commit_once(request)
       if response.complete:
         return response.receiver_ready_s
       pending = {m.key: m.reason for m in response.missing}
+      response = None
       if not pending:
         raise TransferError(Code.INTERNAL, "receiver reports an incomplete state but lists "
                             "no missing chunk", self.transfer_id)
-
 
   def _commit_once(self, request: transport_pb2.CommitRequest) -> transport_pb2.CommitResponse:
     timeout = min(self._options.commit_timeout_s, self._remaining())

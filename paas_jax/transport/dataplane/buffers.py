@@ -57,9 +57,10 @@ def payload_buffer(nbytes: int):
   return memoryview(np.empty(nbytes, np.uint8))
 
 
-def recv_payload(sock: socket.socket, view: memoryview, waitall: bool) -> int:
+def recv_payload(sock: socket.socket, view: memoryview, waitall: bool, crc: int = 0) -> int:
   """Fills ``view`` from ``sock`` and returns the crc32c of what arrived,
-  computed piece by piece while each piece is in cache.
+  computed piece by piece while each piece is in cache. ``crc``: that of
+  bytes before ``view`` to extend (a payload whose head was read ahead).
 
   ``waitall``: plain sockets take MSG_WAITALL (one syscall per piece); TLS
   sockets do not support flags and loop.
@@ -67,7 +68,7 @@ def recv_payload(sock: socket.socket, view: memoryview, waitall: bool) -> int:
   Raises:
     PeerClosed: EOF first.
   """
-  crc, n, total = 0, 0, len(view)
+  n, total = 0, len(view)
   flags = socket.MSG_WAITALL if waitall else 0
   while n < total:
     end = min(total, n + CRC_PIECE_BYTES)

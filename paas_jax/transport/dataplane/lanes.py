@@ -60,6 +60,10 @@ class Lane:
     self._tuning = tuning
     self._fault_hook = fault_hook
     self._cv = threading.Condition()
+    # Held around each write (sequence numbers in wire order): the writer
+    # thread writes, and so does the reader for a frame it released
+    # (``write_now``).
+    self._wlock = threading.Lock()
     self._seq = 0
     self._unacked: collections.OrderedDict[int, Outgoing] = collections.OrderedDict()
     self._unacked_bytes = 0
@@ -140,7 +144,8 @@ class Lane:
         if not items:
           break
         try:
-          self._send(items)
+          with self._wlock:
+            self._send(items)
         except LaneDead:
           return
         except (OSError, ValueError) as e:
@@ -214,6 +219,29 @@ class Lane:
           views[0] = views[0][n:]
           n = 0
 
+  def write_now(self, stream) -> None:
+    """Writes the frame ``stream`` just released for this lane (an armed
+    COMMIT, queued when the last acknowledgement arrived) from the calling
+    thread, the lane's reader: the writer thread need not wake up. Only a
+    frame queued while nothing else of the stream is outstanding comes here,
+    so it cannot overtake another. If the writer is busy, it sends it."""
+    if not self._wlock.acquire(blocking=False):
+      return
+    try:
+      if self.dead is not None:
+        return
+      with self._cv:
+        room = self._window - self._unacked_bytes
+      items = stream.take_now(self, room)
+      if items:
+        self._send(items)
+    except LaneDead:
+      pass
+    except (OSError, ValueError) as e:
+      self._die(e)  # not _writer_failed: that waits for this very thread to read a reply
+    finally:
+      self._wlock.release()
+
   def _writer_failed(self, exc: BaseException) -> None:
     # The receiver may have refused the connection with a reply (ERROR) just
     # before closing it: let the reader find that reply, so the transfer
@@ -255,7 +283,7 @@ class Lane:
           self._recv(memoryview(body))
         if kind == frames.ACKS:
           for item in self._pop_through(seq):
-            item.stream.acked(item)
+            item.stream.acked(item, self)
           continue
         message = "" if kind == frames.RESULT else body.decode("utf-8", "replace")
         status = frames.status_code(code)
@@ -270,11 +298,11 @@ class Lane:
           raise frames.ProtocolError(status, message or f"reply to unknown frame {seq}")
         stream = item.stream
         if kind == frames.ACK:
-          stream.acked(item)
+          stream.acked(item, self)
         elif kind == frames.NACK:
           stream.nacked(item, message)
         elif kind == frames.RESULT:
-          stream.result(item, bytes(body))
+          stream.result(item, bytes(body), self)
         else:
           stream.fail(TransferError(status, message, stream.transfer_id))
     except LaneDead:

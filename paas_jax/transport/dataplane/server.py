@@ -34,12 +34,12 @@ from typing import Sequence
 import grpc
 
 from paas_jax.codec.store import crc32c
-from paas_jax.transport.dataplane import buffers, frames, sockio, tls as tls_lib, tuning as tuning_lib
+from paas_jax.transport.dataplane import (buffers, framein, frames, sockio, tls as tls_lib,
+                                          tuning as tuning_lib)
 from paas_jax.transport.dataplane.interface import FrameSink, TransferRefused
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
-_DRAIN_CHUNK = 1 << 20
 
 
 class DataPlaneServer:
@@ -173,34 +173,35 @@ class DataPlaneServer:
 
   def _frames(self, sock, waitall: bool, peer: str) -> None:
     sink = self.sink
-    header = bytearray(frames.HEADER.size)
-    header_view = memoryview(header)
+    # Read ahead: the small frames of a state come out of one recv_into
+    # (framein's docstring); large payloads still land in their own buffer.
+    stream = framein.FrameInput(sock, waitall)
+    header_size = frames.HEADER.size
     acks = _AckRun(self, sock)
     while True:
-      if acks.frames and not _input_waiting(sock, acks.poller):
+      if acks.frames and not stream.waiting(acks.poller):
         acks.flush()  # the sender has nothing more in flight right now
       try:
-        frames.recv_exact(sock, header_view, waitall)
+        head = stream.take(header_size)
       except frames.PeerClosed:
         acks.flush()
         return
-      kind, seq, tid_len, layer, crc, key_len, length, attempt = frames.parse_header(header)
+      kind, seq, tid_len, layer, crc, key_len, length, attempt = frames.parse_header(head)
       self.frames_total += 1
       if length > sink.max_frame_bytes:
         raise frames.ProtocolError(
             Code.RESOURCE_EXHAUSTED, f"frame of {length} bytes exceeds this receiver's "
             f"{sink.max_frame_bytes}-byte limit (layer {layer})")
-      names = bytearray(tid_len + key_len)
-      frames.recv_exact(sock, memoryview(names), waitall)
+      names = stream.take(tid_len + key_len)
       try:
-        tid = names[:tid_len].decode()
-        key = names[tid_len:].decode()
+        tid = str(names[:tid_len], "utf-8")
+        key = str(names[tid_len:], "utf-8")
       except UnicodeDecodeError:
         raise frames.ProtocolError(Code.INVALID_ARGUMENT, "frame header: id or key is not "
                                    "utf-8") from None
       if kind in frames.CONTROL_KINDS:
         data = bytearray(length)
-        frames.recv_exact(sock, memoryview(data), waitall)
+        stream.read_into(memoryview(data))
         acks.flush()  # replies stay in frame order
         self._reply(sock, self._control(kind, seq, tid, crc, data, peer, attempt))
         continue
@@ -208,19 +209,19 @@ class DataPlaneServer:
         handle = sink.plane_lookup(tid)
       except TransferRefused as e:
         self.refused += 1
-        self._drain(sock, length, waitall)
+        stream.skip(length)
         acks.flush()
         self._reply(sock, frames.pack_reply(seq, frames.ERROR, e.code, e.message))
         continue
       try:
         if kind == frames.DESCRIPTOR:
           data = bytearray(length)
-          frames.recv_exact(sock, memoryview(data), waitall)
+          stream.read_into(memoryview(data))
           sink.plane_descriptor(handle, layer, data.decode("utf-8", "replace"))
           reason = None
         else:
           data = buffers.payload_buffer(length)
-          arrived_crc = buffers.recv_payload(sock, memoryview(data), waitall)
+          arrived_crc = stream.read_payload(memoryview(data))
           reason = sink.plane_chunk(handle, layer, key, crc, data, arrived_crc)
       except TransferRefused as e:
         acks.flush()
@@ -257,15 +258,6 @@ class DataPlaneServer:
     sock.sendall(reply)
     self.replies_total += 1
 
-  @staticmethod
-  def _drain(sock, length: int, waitall: bool) -> None:
-    scratch = memoryview(bytearray(min(length, _DRAIN_CHUNK) or 1))
-    left = length
-    while left:
-      n = min(left, len(scratch))
-      frames.recv_exact(sock, scratch[:n], waitall)
-      left -= n
-
 
 class _AckRun:
   """Frames stored but not yet acknowledged on one connection: one ACKS reply
@@ -290,13 +282,6 @@ class _AckRun:
     if self.frames:
       self.frames = self.nbytes = 0
       self.server._reply(self.sock, frames.pack_reply(self.last_seq, frames.ACKS))
-
-
-def _input_waiting(sock, poller) -> bool:
-  """Whether more of the sender's bytes are already here (decrypted or not)."""
-  if isinstance(sock, ssl.SSLSocket) and sock.pending():
-    return True
-  return bool(poller.poll(0))
 
 
 def _peer(addr) -> str:

@@ -40,7 +40,7 @@ class Outgoing:
   """One frame to send: header fields and a memoryview of the payload."""
 
   __slots__ = ("kind", "layer", "key", "crc", "payload", "attempt", "is_chunk", "stream",
-               "resend", "reply")
+               "resend", "reply", "sent_at")
 
   def __init__(self, kind: int, layer: int, key: str, crc: int, payload, is_chunk: bool,
                attempt: int = 0, resend: bool = False):
@@ -52,6 +52,7 @@ class Outgoing:
     self.resend = resend
     self.stream: "LaneStream | None" = None
     self.reply: list[bytes] | None = None  # control frames: [RESULT body] once answered
+    self.sent_at: float | None = None  # monotonic, once its last byte was written
 
   @property
   def nbytes(self) -> int:
@@ -95,6 +96,8 @@ class LaneStream:
     # one connection the receiver reads them after BEGIN, never before.
     self._begin_pending = False
     self._begin_lane = None
+    # A control frame to queue the moment nothing is outstanding (``call_when_drained``).
+    self._armed: Outgoing | None = None
     self._lanes = pool.checkout(lanes, transfer_id)
     for lane in self._lanes:
       lane.attach(self)
@@ -215,15 +218,57 @@ class LaneStream:
     self.put(item)
     return item
 
+  def call_when_drained(self, kind: int, payload: bytes) -> Outgoing:
+    """Like ``call_async``, but the frame is queued only once every frame put
+    so far is acknowledged (at once if they are): COMMIT, which the receiver
+    must not see before the state is complete. The lane thread that reads
+    the last acknowledgement writes it at once (``Lane.write_now``), so
+    neither the caller's thread nor the lane's writer has to wake up between
+    the last acknowledgement and COMMIT. ``reply`` waits for its RESULT."""
+    if kind not in frames.CONTROL_KINDS:
+      raise ValueError(f"frame kind {kind} is not a control frame")
+    item = Outgoing(kind, -1, "", crc32c(payload), payload, is_chunk=False)
+    item.reply = []
+    with self._cv:
+      if self._error is not None:
+        raise self._error
+      if self._armed is not None:
+        raise RuntimeError("a frame is already armed on this stream")
+      if self._outstanding:
+        self._armed = item
+        return item
+    self.put(item)
+    return item
+
+  def _release_armed_locked(self) -> Outgoing | None:
+    """Queues the armed frame once nothing is outstanding (caller holds the
+    lock); returns it, to be written by the caller's lane."""
+    item = self._armed
+    if item is None or self._outstanding or self._error is not None:
+      return None
+    self._armed = None
+    item.stream = self
+    self._queue.append(item)
+    self._queued_bytes += item.nbytes
+    self._outstanding += 1
+    self._cv.notify_all()
+    return item
+
   def reply(self, item: Outgoing, timeout_s: float) -> bytes:
     """The RESULT body of a control frame from ``call_async``.
 
     Raises:
       TransferError: as ``call``.
     """
-    end = min(self._deadline, time.monotonic() + timeout_s)
     with self._cv:
-      while self._error is None and not item.reply and time.monotonic() < end:
+      while self._error is None and not item.reply:
+        # ``timeout_s`` counts from the frame's write (an armed frame waits
+        # for the frames before it first); the transfer deadline bounds all.
+        end = self._deadline
+        if item.sent_at is not None:
+          end = min(end, item.sent_at + timeout_s)
+        if time.monotonic() >= end:
+          break
         self._cv.wait(0.1)
       if item.reply:
         return item.reply[0]
@@ -274,16 +319,37 @@ class LaneStream:
         self._cv.notify_all()
     return out
 
+  def take_now(self, lane, room: int) -> list[Outgoing]:
+    """The next frame ``lane`` may send right now if it fits ``room``, without
+    waiting; [] if none."""
+    with self._cv:
+      if (self._error is not None or lane not in self._lanes or not self._queue
+          or (self._begin_pending and self._begin_lane not in (None, lane))
+          or self._queue[0].nbytes > room):
+        return []
+      item = self._queue.popleft()
+      self._queued_bytes -= item.nbytes
+      if item.kind == frames.BEGIN:
+        self._begin_lane = lane
+      self._cv.notify_all()
+    return [item]
+
   def sent(self, item: Outgoing) -> None:
+    item.sent_at = time.monotonic()
     self._on_sent(item)
 
-  def acked(self, item: Outgoing) -> None:
+  def acked(self, item: Outgoing, lane=None) -> None:
+    """``item`` is stored at the receiver. ``lane``: the connection whose
+    reader saw it, which writes an armed frame released by it."""
     with self._cv:
       self._outstanding -= 1
+      released = self._release_armed_locked()
       self._cv.notify_all()
+    if released is not None and lane is not None:
+      lane.write_now(self)
 
-  def result(self, item: Outgoing, body: bytes) -> None:
-    """A control frame's RESULT."""
+  def result(self, item: Outgoing, body: bytes, lane=None) -> None:
+    """A control frame's RESULT (``lane``: as in ``acked``)."""
     with self._cv:
       if item.reply is None:
         fail = TransferError(Code.INTERNAL, "data-plane receiver answered a "
@@ -295,9 +361,12 @@ class LaneStream:
         if item.kind == frames.BEGIN:
           self._begin_pending = False
       self._outstanding -= 1
+      released = self._release_armed_locked() if fail is None else None
       self._cv.notify_all()
     if fail is not None:
       self._fail(fail)
+    elif released is not None and lane is not None:
+      lane.write_now(self)
 
   def nacked(self, item: Outgoing, reason: str) -> None:
     """The receiver read the frame and rejected it: send it again, first."""

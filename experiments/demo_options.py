@@ -27,8 +27,9 @@ SLICE_REFUSED_FAULTS = ("drop_link", "stall_link", "corrupt_state", "kill_decode
 
 @dataclasses.dataclass(frozen=True)
 class PoolSettings:
-  """Region A's pod size, the prefix cache block and TLS after the slice's
-  needs, and the notes saying what was changed from a default."""
+  """Region A's pod size and the prefix cache block after the slice's needs,
+  TLS (a slice runs with it as any region does), and the notes saying what
+  was changed from a default."""
   prefill_pod: int
   prefix_block: int
   tls: bool
@@ -67,14 +68,6 @@ def resolve_pools(*, decode_slice: int, decode_slice_devices: int, prefill_pod: 
     notes.append(f"{where} keeps no prefix cache: both regions run without one "
                  f"(--prefix_block=0 instead of the default {prefix_block})")
     prefix_block = 0
-  if tls:
-    # The slice's processes set up their security as role "decode-slice<q>",
-    # which has no peer rules (security/peers.py): they exit at start-up.
-    if "tls" in explicit:
-      raise app.UsageError(f"{where} does not start with TLS yet: pass --notls, not --tls")
-    notes.append(f"{where} does not start with TLS yet: every process runs plaintext "
-                 "(--notls)")
-    tls = False
   if pd_nodes > 1:
     raise app.UsageError(f"{where} is region B's only PD node: it needs --pd_nodes=1, "
                          f"got --pd_nodes={pd_nodes}")

@@ -55,23 +55,27 @@ def define_flags(role: str) -> None:
                         "paas_jax.security.faults.FaultPlan.")
 
 
-def tls_from_flags(role: str) -> TLSConfig:
+def tls_from_flags(role: str, tls_name: str | None = None) -> TLSConfig:
+  """``tls_name``: the identity in --tls_dir, overriding --tls_name (one
+  process of a decode slice presents its own certificate)."""
+  name = tls_name or FLAGS.tls_name or role
   if FLAGS.insecure:
     if FLAGS.tls_dir or FLAGS.tls_cert:
       raise SecurityConfigError("--insecure together with TLS files; choose one")
     return TLSConfig.plaintext(role)
   if FLAGS.tls_dir:
-    return TLSConfig.from_dir(FLAGS.tls_dir, FLAGS.tls_name or role)
+    return TLSConfig.from_dir(FLAGS.tls_dir, name)
   if FLAGS.tls_cert:
-    return TLSConfig(cert=FLAGS.tls_cert, key=FLAGS.tls_key, ca=FLAGS.tls_ca,
-                     name=FLAGS.tls_name or role)
+    return TLSConfig(cert=FLAGS.tls_cert, key=FLAGS.tls_key, ca=FLAGS.tls_ca, name=name)
   raise SecurityConfigError(
       f"{role}: no TLS identity. Pass --tls_dir (see `python -m paas_jax.security.make_certs`) "
       "or --tls_cert/--tls_key/--tls_ca, or --insecure for explicit plaintext.")
 
 
-def security_from_flags(role: str) -> ServiceSecurity:
-  tls = tls_from_flags(role)
+def security_from_flags(role: str, tls_name: str | None = None) -> ServiceSecurity:
+  """``role`` selects the peer rules (``peers.service_rules``); ``tls_name``
+  as in ``tls_from_flags``."""
+  tls = tls_from_flags(role, tls_name)
   tokens = None
   public_client_auth = False
   if role == "broker":

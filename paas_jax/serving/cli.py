@@ -44,11 +44,18 @@ def define_server_flags(role: str):
   security_cli.define_flags(role)
 
 
-def setup_process(role: str):
-  """(model, ServiceSecurity, ServingMetrics, metrics port or None)."""
-  security_cli.setup_logging(role, FLAGS.log_level)
-  security = security_cli.security_from_flags(role)  # before the slow model load
-  metrics, metrics_port = security_cli.start_metrics(role)
+def setup_process(role: str, *, name: str | None = None, tls_name: str | None = None):
+  """(model, ServiceSecurity, ServingMetrics, metrics port or None).
+
+  ``role`` (prefill or decode) selects the peer rules; ``name`` labels this
+  process's logs and metrics (default ``role``; e.g. ``decode-slice1``: one
+  process of a slice, whose peer rules are still a decode server's);
+  ``tls_name`` overrides --tls_name (the process's own certificate)."""
+  name = name or role
+  security_cli.setup_logging(name, FLAGS.log_level)
+  # before the slow model load
+  security = security_cli.security_from_flags(role, tls_name)
+  metrics, metrics_port = security_cli.start_metrics(name)
   common.enable_compilation_cache(FLAGS.compilation_cache or common.default_compilation_cache())
   model, _ = common.load_model(FLAGS.config, FLAGS.seed, FLAGS.checkpoint, FLAGS.dtype,
                                tp=FLAGS.tp)

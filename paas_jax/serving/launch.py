@@ -77,7 +77,8 @@ class ClusterSpec:
   log_level: str = "WARNING"
   startup_timeout_s: float = 600.0
   # Security (paas_jax.security): tls=True makes a local CA and a certificate
-  # per process in workdir/certs, mutual TLS between broker and regions, TLS
+  # per role in workdir/certs (and one per process of a decode slice, its
+  # peer rules a decode server's), mutual TLS between broker and regions, TLS
   # plus a bearer token (workdir/certs/client.token) on the broker's public
   # port. tls=False runs every process with an explicit --insecure.
   tls: bool = False
@@ -324,8 +325,10 @@ class LocalCluster:
     self.certs = self.workdir / "certs"
     hosts = tuple(dict.fromkeys(ca_lib.DEFAULT_HOSTS + (a_host, b_host) + tuple(
         h for pair in self.region_hosts.values() for h in pair)))
-    ca_lib.make_certs(self.certs, ("broker", "prefill", "decode", "client"), hosts=hosts,
-                      reuse_ca=False)
+    # A decode slice's processes each get their own certificate (launch_args);
+    # under Ray every file of certs/ travels with each actor (ray_launch).
+    names = ("broker", "prefill", "decode", "client", *launch_args.slice_tls_names(self.spec))
+    ca_lib.make_certs(self.certs, names, hosts=hosts, reuse_ca=False)
     (self.certs / "api_tokens.txt").unlink(missing_ok=True)
     write_token_files(self.certs, "client")
 

@@ -82,6 +82,15 @@ def check_decode_slice(spec) -> None:
                      f"{', '.join(named)}")
 
 
+def slice_tls_names(spec) -> list[str]:
+  """The certificates of a decode slice's processes (``--slice_tls_names``), one
+  per process so that each holds only its own key; [] without a slice or TLS.
+  ``decode-slice<q>`` matches the decode peer patterns (``decode*``)."""
+  if spec.decode_slice < 2 or not spec.tls:
+    return []
+  return [f"decode-slice{q}" for q in range(spec.decode_slice)]
+
+
 def decode_args(spec, host: str, data_plane_host: str | None) -> list[str]:
   """A PD node (decode server). ``data_plane_host``: bind the data plane there
   (a relay takes the announced port on the address region A dials)."""
@@ -89,10 +98,12 @@ def decode_args(spec, host: str, data_plane_host: str | None) -> list[str]:
     # Behind a relay (data_plane_host) the parts ride gRPC: the relay forwards
     # each slice process's StateTransfer port, not data-plane ports.
     plane = "grpc" if data_plane_host else spec.transfer_plane
+    names = slice_tls_names(spec)
     return ["-m", "paas_jax.serving.slice_decode_server", *server_args(spec, host),
             "--transfer_port=0", f"--max_queue={spec.max_queue}", f"--transfer_plane={plane}",
             f"--slice_slots={spec.n_slots}", f"--slice_processes={spec.decode_slice}",
-            f"--slice_devices={spec.decode_slice_devices}", *spec.decode_args]
+            f"--slice_devices={spec.decode_slice_devices}",
+            *([f"--slice_tls_names={','.join(names)}"] if names else []), *spec.decode_args]
   args = ["-m", "paas_jax.serving.decode_server", *server_args(spec, host),
           "--transfer_port=0", f"--n_slots={spec.n_slots}", f"--page_size={spec.page_size}",
           f"--num_pages={spec.num_pages}", f"--max_queue={spec.max_queue}",

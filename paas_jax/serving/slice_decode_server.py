@@ -11,7 +11,10 @@ process's transfer address in ``slice_transfer``). On several machines,
 start each process yourself with ``--slice_process_id=q
 --slice_coordinator=<process 0's host>:<port> --slice_processes=Q
 --transfer_port=<its port>`` (and a process manager that restarts the whole
-slice).
+slice), each with its own certificate (``--tls_dir --tls_name=decode-slice<q>``).
+The coordinator and the collectives between the processes are not TLS
+(``jax.distributed`` has no TLS option): keep the slice's machines on a private
+network.
 
 Every process loads the model, places its shards over the slice's ``tp`` mesh
 and takes the shard parts a prefill pod streams to it (``slice_decode``).
@@ -241,7 +244,11 @@ def process_main() -> None:
   pod.initialize_region(region)
   pid = region.process_id
   kv = pod.kv_client() if region.num_processes > 1 else None
-  model, security, metrics, metrics_port = cli.setup_process(f"decode-slice{pid}")
+  # Peer rules of a decode server (only brokers call Decode, only prefill or decode
+  # peers push state) under this process's own name and, with --slice_tls_names,
+  # its own certificate.
+  model, security, metrics, metrics_port = cli.setup_process(
+      "decode", name=f"decode-slice{pid}", tls_name=slice_tls_name(pid))
   mesh = pod.region_mesh()
   model = pod.shard_model(model, mesh)
   max_ctx = FLAGS.max_ctx or model.config.max_seq_len
@@ -298,8 +305,30 @@ def process_main() -> None:
   os._exit(0)  # the followers wait in the key-value store; the supervisor stops them
 
 
+def slice_tls_name(pid: int) -> str | None:
+  """Process ``pid``'s identity in --tls_dir (None: --tls_name, shared by all)."""
+  return FLAGS.slice_tls_names[pid] if FLAGS.slice_tls_names else None
+
+
+def check_tls_flags() -> None:
+  """--slice_tls_names names one certificate per process, in --tls_dir."""
+  names = FLAGS.slice_tls_names
+  if not names:
+    return
+  if len(names) != FLAGS.slice_processes:
+    raise app.UsageError(f"--slice_tls_names names {len(names)} certificates for "
+                         f"--slice_processes={FLAGS.slice_processes}")
+  if not FLAGS.tls_dir:
+    raise app.UsageError("--slice_tls_names names certificates in --tls_dir: pass --tls_dir")
+
+
 def define_flags() -> None:
   cli.define_server_flags("decode")
+  flags.DEFINE_list("slice_tls_names", [], "One identity in --tls_dir per process "
+                    "(e.g. decode-slice0,decode-slice1): process q presents the q-th "
+                    "certificate (its own key on its own machine; the launcher issues "
+                    "these). Empty: every process presents --tls_name. Either way the peer "
+                    "rules are a decode server's.")
   flags.DEFINE_integer("transfer_port", 0, "This process's StateTransfer port (0: any).")
   flags.DEFINE_enum("transfer_plane", "tcp", ["tcp", "grpc"], "tcp: the transfer port also "
                     "opens the TCP data plane; grpc: gRPC only.")
@@ -320,6 +349,7 @@ def main(argv):
   if FLAGS.tp != 1:
     raise app.UsageError("--tp is the single-process server's; a slice's TP is "
                          "--slice_processes x --slice_devices")
+  check_tls_flags()
   if FLAGS.slice_process_id < 0:
     sys.exit(pod_supervisor.supervise(sys.argv[1:], pod_supervisor.RegionProcesses(
         module="paas_jax.serving.slice_decode_server", kind="slice",

@@ -56,14 +56,16 @@ def test_demo_two_region_small(tmp_path):
 
 def test_a_decode_slice_turns_defaults_that_do_not_fit_into_ones_that_do_and_says_so():
   pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2})
-  assert (pools.prefill_pod, pools.prefix_block, pools.tls) == (2, 0, False)
-  assert len(pools.notes) == 3
+  # TLS stays on: every slice process presents its own certificate (#16).
+  assert (pools.prefill_pod, pools.prefix_block, pools.tls) == (2, 0, True)
+  assert len(pools.notes) == 2
   assert "--prefill_pod=2" in pools.notes[0] and "--prefix_block=0" in pools.notes[1]
-  assert "--notls" in pools.notes[2]
-  # What the user asked for that fits is kept, with nothing to say.
-  pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2, "prefill_pod": 3, "prefix_block": 0,
-                           "tls": False, "explicit": ("prefill_pod", "prefix_block", "tls")})
-  assert (pools.prefill_pod, pools.prefix_block, pools.tls, pools.notes) == (3, 0, False, ())
+  # What the user asked for that fits is kept, with nothing to say (TLS either way).
+  for tls in (False, True):
+    pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2, "prefill_pod": 3,
+                             "prefix_block": 0, "tls": tls,
+                             "explicit": ("prefill_pod", "prefix_block", "tls")})
+    assert (pools.prefill_pod, pools.prefix_block, pools.tls, pools.notes) == (3, 0, tls, ())
 
 
 def test_without_a_slice_the_defaults_stay_as_they_are():
@@ -74,7 +76,6 @@ def test_without_a_slice_the_defaults_stay_as_they_are():
 @pytest.mark.parametrize("given, flag", [
     ({"prefix_block": 64, "explicit": ("prefix_block",)}, "--prefix_block"),
     ({"prefill_pod": 1, "explicit": ("prefill_pod",)}, "--prefill_pod"),
-    ({"tls": True, "explicit": ("tls",)}, "--notls"),
     ({"pd_nodes": 2}, "--pd_nodes"),
     ({"decode_regions": 2}, "--decode_regions"),
     ({"fault": "drop_link"}, "--fault=drop_link"),
@@ -119,10 +120,12 @@ def test_demo_with_region_b_as_a_decode_slice_is_token_exact(tmp_path):
       capture_output=True, text=True, timeout=1100, cwd=REPO)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "--prefix_block=0 instead of the default 64" in proc.stdout
-  assert "every process runs plaintext (--notls)" in proc.stdout
+  # TLS on, the demo's default: a slice process per certificate (#16).
+  assert "security   : mutual TLS" in proc.stdout and "--notls" not in proc.stdout
   assert "decode slice     : 2 processes x 1 devices (TP=2)" in proc.stdout
   report = json.loads(out.read_text())
   assert report["decode_slice"] == 2 and report["prefill_pod"] == 2
+  assert report["security"]["tls"] is True
   assert report["prefix_cache"]["block_tokens"] == 0
   assert report["all_tokens_match_reference"] is True and report["errors"] == 0
   assert report["decode_server"]["slice_processes"] == 2

@@ -1,7 +1,8 @@
 """Region B as a decode slice on the real serving path (#16).
 
 A real cluster: region A a prefill pod of two processes (TP=2 over gloo),
-region B a decode slice of two processes (its own TP=2 mesh), and the broker.
+region B a decode slice of two processes (its own TP=2 mesh), and the broker,
+with mutual TLS between them (each slice process its own certificate).
 The broker learns the slice from its GetModel (each process's transfer
 address) and asks the pod for per-process parts; each pod process streams to
 each slice process only the shard bytes that process needs, the slice
@@ -48,7 +49,7 @@ def _idle_stats(cluster, name: str, stub) -> dict:
 def slice_cluster(tmp_path_factory):
   spec = ClusterSpec(n_slots=4, max_queue=8, max_ctx=256, prefill_buckets=(64,),
                      prefill_max_batch=1, threshold=16, prefill_pod=2, decode_slice=2,
-                     link=LinkSpec(bandwidth_bps=200e6, rtt_s=0.01))
+                     link=LinkSpec(bandwidth_bps=200e6, rtt_s=0.01), tls=True)
   c = LocalCluster(spec, tmp_path_factory.mktemp("slice_serving")).start()
   yield c
   c.stop()
@@ -63,7 +64,14 @@ def test_a_pod_streams_to_a_decode_slice_shard_to_shard_token_and_logprob_exact(
   with cluster.channel("decode") as ch:
     served = serving_pb2_grpc.DecodeStub(ch).GetModel(serving_pb2.ModelRequest(), timeout=30)
   assert list(served.slice.transfer_targets) == info["slice_transfer"]
-  with BrokerClient(cluster.broker_address, timeout_s=120) as client:
+  # Mutual TLS (#16): process 0 takes Decode calls from brokers only
+  # (test_slice_tls.py has the other negative controls).
+  with cluster.channel("decode", as_role="prefill") as ch, pytest.raises(grpc.RpcError) as e:
+    list(serving_pb2_grpc.DecodeStub(ch).Decode(serving_pb2.DecodeRequest(
+        request_id="not-a-broker", prompt_ids=[1, 2], max_new_tokens=1), timeout=30))
+  assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+  with BrokerClient(cluster.broker_address, timeout_s=120,
+                    credentials=cluster.client_credentials()) as client:
     _wait_remote(client)
     before = _idle_stats(cluster, "decode", serving_pb2_grpc.DecodeStub)
     pod_before = _stats(cluster, "prefill", serving_pb2_grpc.PrefillStub)
@@ -134,7 +142,8 @@ def test_a_lost_slice_process_restarts_the_slice_on_the_same_ports(slice_cluster
   assert not set(again["pod_pids"]) & set(first["pod_pids"])
   # Where the broker and the pod reach it did not move: the same addresses serve.
   assert again["port"] == first["port"] and again["slice_transfer"] == first["slice_transfer"]
-  with BrokerClient(cluster.broker_address, timeout_s=180) as client:
+  with BrokerClient(cluster.broker_address, timeout_s=180,
+                    credentials=cluster.client_credentials()) as client:
     # Until the broker's health checks take the slice back (UNAVAILABLE meanwhile).
     deadline = time.monotonic() + 180
     while True:

@@ -22,9 +22,9 @@ the slice / single ratios; the tokens of the two clusters are compared with
 each other and with single-process generation. The load average goes into the
 JSON.
 
-Behind an emulated link a slice's parts ride gRPC (launch_args.decode_args),
-so by default the single decode server takes its states over gRPC too
-(--transfer_plane): the ratios then measure the slice, not the transfer plane.
+Both clusters move states on the same plane (--transfer_plane; behind the
+relay a slice's parts ride each process's TCP data plane or gRPC), so the
+ratios measure the slice, not the transfer plane.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ flags.DEFINE_list("lengths", ["100", "300"], "Prompt lengths (tokens).")
 flags.DEFINE_integer("repeats", 6, "Measured prompts per length and cluster.")
 flags.DEFINE_integer("max_new_tokens", 16, "Tokens generated per request.")
 flags.DEFINE_string("link", "200mbit/20", "Each cluster's link, rate/rtt_ms.")
-flags.DEFINE_enum("transfer_plane", "grpc", ["grpc", "tcp"], "What carries the single "
-                  "decode server's states (the slice's parts ride gRPC behind a relay).")
+flags.DEFINE_enum("transfer_plane", "tcp", ["grpc", "tcp"], "What carries the states "
+                  "to region B, in both clusters.")
 flags.DEFINE_integer("burst", 4, "Then: bursts of this many requests sent at once to each "
                      "cluster (0: none), to measure batching.")
 flags.DEFINE_integer("bursts", 3, "Measured bursts per cluster (after one warm-up burst).")
@@ -155,7 +155,7 @@ def main(argv):
             "concurrency": 1, "route": "remote (prefilled by the pod)",
             "bursts": bursts,
             "link": FLAGS.link,
-            "transfer_plane": {"single": FLAGS.transfer_plane, "slice": "grpc"},
+            "transfer_plane": FLAGS.transfer_plane,
             # Per length, one warm-up prompt (compiles; not measured), then these.
             "lengths": lengths, "repeats": FLAGS.repeats,
             "max_new_tokens": FLAGS.max_new_tokens,

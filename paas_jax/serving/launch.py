@@ -262,8 +262,13 @@ class LocalCluster:
           routes.append(f"dataplane{i}={dial}:{dp}->{_DATA_PLANE_HOST}:{dp}@a_to_b")
       # The other PD nodes' StateTransfer ports, over the same link (PrfaaS states).
       routes += [f"transfer{i}={dial}:0->{pd_local[i]}@a_to_b" for i in range(1, len(pd_info))]
-      # A slice's other processes' StateTransfer ports (parts over gRPC: decode_args).
+      # A slice's other processes' StateTransfer ports and data planes (each
+      # process binds its data plane on _DATA_PLANE_HOST at a port fixed for the
+      # slice's lifetime: pod_supervisor).
       routes += [f"slice{q}={dial}:0->{a}@a_to_b" for q, a in enumerate(slice_transfer, 1)]
+      if slice_transfer and spec.transfer_plane == "tcp":
+        routes += [f"slicedataplane{q}={dial}:{dp}->{_DATA_PLANE_HOST}:{dp}@a_to_b"
+                   for q, dp in enumerate(pd_info[0]["slice_data_plane_ports"][1:], 1)]
       relay = self._name(region, "relay")
       self.procs[relay] = self._spawn(
           relay, launch_args.relay_args(relay_link, self.relay_stats_path(region), routes),

@@ -95,12 +95,13 @@ def decode_args(spec, host: str, data_plane_host: str | None) -> list[str]:
   """A PD node (decode server). ``data_plane_host``: bind the data plane there
   (a relay takes the announced port on the address region A dials)."""
   if spec.decode_slice > 1:  # region B as a slice of processes (slice_decode_server)
-    # Behind a relay (data_plane_host) the parts ride gRPC: the relay forwards
-    # each slice process's StateTransfer port, not data-plane ports.
-    plane = "grpc" if data_plane_host else spec.transfer_plane
+    # Behind a relay (data_plane_host) every slice process's data plane binds
+    # there; the relay forwards each one's announced port (launch.py).
     names = slice_tls_names(spec)
     return ["-m", "paas_jax.serving.slice_decode_server", *server_args(spec, host),
-            "--transfer_port=0", f"--max_queue={spec.max_queue}", f"--transfer_plane={plane}",
+            "--transfer_port=0", f"--max_queue={spec.max_queue}",
+            f"--transfer_plane={spec.transfer_plane}",
+            *([f"--data_plane_host={data_plane_host}"] if data_plane_host else []),
             f"--slice_slots={spec.n_slots}", f"--slice_processes={spec.decode_slice}",
             f"--slice_devices={spec.decode_slice_devices}",
             *([f"--slice_tls_names={','.join(names)}"] if names else []), *spec.decode_args]

@@ -49,7 +49,9 @@ class RegionProcesses:
   """What the supervisor starts: ``processes`` x ``module`` with ``--<kind>_process_id``
   and ``--<kind>_coordinator``, ``devices`` each; ``fault``: the value of
   ``--<kind>_fault`` for the first incarnation; ``own_transfer_ports``: every
-  process serves a StateTransfer port (a decode slice), not only process 0."""
+  process serves a StateTransfer port (a decode slice), not only process 0;
+  ``own_data_plane_ports``: and a TCP data plane, on a port fixed at the
+  first start (``--data_plane_port``), as the transfer ports are."""
 
   module: str = "paas_jax.serving.pod_prefill_server"
   kind: str = "pod"
@@ -58,11 +60,13 @@ class RegionProcesses:
   fault: str = ""
   max_restarts: int = 5
   own_transfer_ports: bool = False
+  own_data_plane_ports: bool = False
 
   def own_flags(self) -> tuple[str, ...]:
     """Flags the supervisor sets per process (dropped from the arguments it passes on)."""
     return ("--port", "--transfer_port", "--ready_file", f"--{self.kind}_fault",
-            f"--{self.kind}_process_id", f"--{self.kind}_coordinator")
+            f"--{self.kind}_process_id", f"--{self.kind}_coordinator") + (
+                ("--data_plane_port",) if self.own_data_plane_ports else ())
 
 
 def _die_with_parent() -> None:
@@ -98,7 +102,8 @@ class _Pod:
   """One incarnation: the region's processes."""
 
   def __init__(self, argv: Sequence[str], region: RegionProcesses, incarnation: int,
-               port: int, transfer_ports: Sequence[int], ready0: pathlib.Path):
+               port: int, transfer_ports: Sequence[int], ready0: pathlib.Path,
+               data_plane_ports: Sequence[int] = ()):
     devices = f"--xla_force_host_platform_device_count={region.devices}"
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {devices}".strip())
     coordinator = f"127.0.0.1:{free_port()}"
@@ -112,6 +117,8 @@ class _Pod:
         args += [f"--port={port}", f"--ready_file={ready0}"]
       if p == 0 or region.own_transfer_ports:
         args.append(f"--transfer_port={transfer_ports[p]}")
+      if data_plane_ports:
+        args.append(f"--data_plane_port={data_plane_ports[p]}")
       if incarnation == 0 and region.fault:
         args.append(f"--{kind}_fault={region.fault}")
       self.procs.append(subprocess.Popen(args, env=env, preexec_fn=_die_with_parent))
@@ -156,11 +163,13 @@ def supervise(argv: Sequence[str], region: RegionProcesses | None = None) -> int
   port = FLAGS.port
   transfer_ports = [FLAGS.transfer_port] + [free_port() if region.own_transfer_ports else 0
                                             for _ in range(1, region.processes)]
+  data_plane_ports = ([free_port() for _ in range(region.processes)]
+                      if region.own_data_plane_ports else [])
   restarts: list[dict] = []
   incarnation = 0
   while not stop.is_set():
     t0 = time.monotonic()
-    pod = _Pod(argv, region, incarnation, port, transfer_ports, ready0)
+    pod = _Pod(argv, region, incarnation, port, transfer_ports, ready0, data_plane_ports)
     info = None
     while not stop.is_set():
       gone = pod.exited()

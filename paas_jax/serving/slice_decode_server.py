@@ -5,7 +5,7 @@
 
 Without ``--slice_process_id`` this is the slice's supervisor on one machine
 (``pod_supervisor``): it starts the Q processes, each on its own
-StateTransfer port (fixed at the first start), restarts all of them together
+StateTransfer port and TCP data-plane port (both fixed at the first start), restarts all of them together
 when one dies, and writes the ready file (process 0's control port, every
 process's transfer address in ``slice_transfer``). On several machines,
 start each process yourself with ``--slice_process_id=q
@@ -259,15 +259,20 @@ def process_main() -> None:
       models={model.config.name: model.config.fingerprint()}, template=lambda info: None,
       on_ready=parts.on_state, on_failure=parts.on_failure,
       options=ReceiverOptions(transfer_timeout_s=FLAGS.slice_receive_timeout_s))
-  plane = (dp_tls.receiver_kwargs(security, "decode", credentials, None)
+  plane = (dp_tls.receiver_kwargs(security, "decode", credentials,
+                                  FLAGS.data_plane_host or None)
            if FLAGS.transfer_plane == "tcp" else {})
+  if plane:
+    plane["data_port"] = FLAGS.data_plane_port
   transfer = serve_receiver(receiver, f"{FLAGS.host}:{FLAGS.transfer_port}",
                             credentials=credentials,
                             interceptors=server_interceptors(security, metrics), **plane)
+  data_plane_port = transfer.data_plane.port if transfer.data_plane is not None else 0
   batch = SliceBatch(model, mesh, region, parts, slots=FLAGS.slice_slots, kv=kv)
   address = f"{FLAGS.advertise_host or FLAGS.host}:{transfer.port}"
   if kv is not None:  # process 0 announces every process's transfer address
     kv.key_value_set(f"slice/transfer/{pid}", address)
+    kv.key_value_set(f"slice/data_plane/{pid}", str(data_plane_port))
   if pid != 0:
     log.info("slice process %d receiving on %s, following rounds", pid, address)
     follow_rounds(batch, kv)
@@ -275,6 +280,9 @@ def process_main() -> None:
   addresses = [address] + [kv.blocking_key_value_get(f"slice/transfer/{q}",
                                                       int(region.timeout_s * 1000))
                            for q in range(1, region.num_processes)]
+  data_plane_ports = [data_plane_port] + [
+      int(kv.blocking_key_value_get(f"slice/data_plane/{q}", int(region.timeout_s * 1000)))
+      for q in range(1, region.num_processes)]
   slice_info = serving_pb2.DecodeSlice(transfer_targets=addresses,
                                        devices_per_process=region.local_devices)
 
@@ -292,7 +300,7 @@ def process_main() -> None:
   control.set_serving([SERVICE])
   common.write_ready_file(FLAGS.ready_file, {
       "pid": os.getpid(), "port": control.port, "transfer_port": transfer.port,
-      "data_plane_port": transfer.data_plane.port if transfer.data_plane is not None else 0,
+      "data_plane_port": data_plane_port, "slice_data_plane_ports": data_plane_ports,
       "slice_transfer": addresses, "metrics_port": metrics_port, "model": model.config.name,
       "slice": region.to_dict(), "startup_s": time.time() - t0})
   log.info("decode slice process 0 on %s:%d (Q=%d, TP=%d), transfer %s", FLAGS.host,
@@ -334,6 +342,11 @@ def define_flags() -> None:
                     "opens the TCP data plane; grpc: gRPC only.")
   flags.DEFINE_string("advertise_host", "", "The host the prefill pod dials for this "
                       "process's transfer port (default --host).")
+  flags.DEFINE_string("data_plane_host", "", "Bind this process's TCP data plane there "
+                      "instead of --host (e.g. behind a relay that listens on its port).")
+  flags.DEFINE_integer("data_plane_port", 0, "This process's TCP data-plane port (0: any; "
+                       "the supervisor fixes one per process for the slice's lifetime, so "
+                       "that a relay's routes stay valid across restarts).")
   flags.DEFINE_integer("max_queue", 64, "Requests allowed to wait (for a Handoff or a turn).")
   pod_supervisor.define_region_flags("slice")
   flags.DEFINE_float("slice_receive_timeout_s", 300.0, "How long a request waits for its "
@@ -354,7 +367,8 @@ def main(argv):
     sys.exit(pod_supervisor.supervise(sys.argv[1:], pod_supervisor.RegionProcesses(
         module="paas_jax.serving.slice_decode_server", kind="slice",
         processes=FLAGS.slice_processes, devices=FLAGS.slice_devices,
-        max_restarts=FLAGS.max_slice_restarts, own_transfer_ports=True)))
+        max_restarts=FLAGS.max_slice_restarts, own_transfer_ports=True,
+        own_data_plane_ports=FLAGS.transfer_plane == "tcp")))
   process_main()
 
 

@@ -47,6 +47,7 @@ def serve_receiver(receiver: "StateReceiver", address: str = "127.0.0.1:0", *,
                    data_peers: Sequence[str] | None = None,
                    data_tuning: Tuning | None = None,
                    data_host: str | None = None,
+                   data_port: int = 0,
                    data_control: bool = True) -> ReceiverServer:
   """Starts a gRPC server for ``receiver`` on ``address`` (port 0: any free port).
 
@@ -62,7 +63,8 @@ def serve_receiver(receiver: "StateReceiver", address: str = "127.0.0.1:0", *,
   a plaintext data plane is refused (plaintext only behind --insecure).
   ``data_host``: bind the data plane there instead of the gRPC port's host
   (e.g. another loopback address, so that a WAN relay can listen on the
-  announced port number at the host senders dial).
+  announced port number at the host senders dial). ``data_port``: its port
+  (0: any free one; a fixed one keeps a relay's route valid across restarts).
   ``data_control``: the data plane also takes Begin and Commit (announced in
   BeginResponse.data_plane_control), so senders with warm connections skip
   the gRPC round trips. Pass False when the gRPC port checks more than the
@@ -80,7 +82,7 @@ def serve_receiver(receiver: "StateReceiver", address: str = "127.0.0.1:0", *,
   host = address.rsplit(":", 1)[0]
   plane = None
   if data_plane:
-    plane = DataPlaneServer(receiver, data_host or host.strip("[]") or "0.0.0.0", 0,
+    plane = DataPlaneServer(receiver, data_host or host.strip("[]") or "0.0.0.0", data_port,
                             ssl_context=data_ssl, peer_patterns=data_peers,
                             tuning=data_tuning or Tuning(), control=data_control)
     receiver.data_plane_port = plane.port

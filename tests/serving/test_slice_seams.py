@@ -6,6 +6,8 @@ launcher's and the supervisor's handling of a slice, and ``SliceJob`` /
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 
@@ -102,6 +104,19 @@ def test_the_supervisor_gives_every_slice_process_its_own_flags():
                                                     "--config=tiny_gdn_gqa"]
   # The pod's own flags are not the slice's: a pod keeps --slice_* flags it is given.
   assert "--slice_process_id=1" in pod_supervisor.passed_on(argv)
+  # With its own data planes, each process's data-plane port is the supervisor's too.
+  tcp = dataclasses.replace(region, own_data_plane_ports=True)
+  assert pod_supervisor.passed_on(argv + ["--data_plane_port=9"], tcp) == [
+      "--slice_processes=2", "--config=tiny_gdn_gqa"]
+  assert "--data_plane_port=9" in pod_supervisor.passed_on(argv + ["--data_plane_port=9"],
+                                                           region)
+
+
+def test_the_launcher_relays_every_slice_processs_data_plane():
+  spec = ClusterSpec(prefill_pod=2, decode_slice=2, prefix_block=0, transfer_plane="tcp")
+  args = launch_args.decode_args(spec, "127.0.0.2", "127.0.0.3")
+  assert "--transfer_plane=tcp" in args and "--data_plane_host=127.0.0.3" in args
+  assert "--data_plane_host=127.0.0.3" not in launch_args.decode_args(spec, "127.0.0.2", None)
 
 
 def test_a_slice_job_round_trips_with_its_probe_and_sampling():

@@ -125,6 +125,9 @@ def test_a_pod_streams_to_a_decode_slice_shard_to_shard_token_and_logprob_exact(
   while (relay := cluster.relay_stats()) is None or relay["a_to_b"]["bytes"] < sum(got):
     assert time.monotonic() < deadline, (relay, got)
     time.sleep(0.2)
+  # ... on the TCP data plane: the relay forwards every slice process's data plane.
+  assert relay["route_bytes"].get("dataplane0", 0) > 0, relay["route_bytes"]
+  assert relay["route_bytes"].get("slicedataplane1", 0) > 0, relay["route_bytes"]
 
 
 @pytest.mark.slow  # the slice restarts (both processes start and compile again)
@@ -142,6 +145,7 @@ def test_a_lost_slice_process_restarts_the_slice_on_the_same_ports(slice_cluster
   assert not set(again["pod_pids"]) & set(first["pod_pids"])
   # Where the broker and the pod reach it did not move: the same addresses serve.
   assert again["port"] == first["port"] and again["slice_transfer"] == first["slice_transfer"]
+  assert again["slice_data_plane_ports"] == first["slice_data_plane_ports"]  # relay routes
   with BrokerClient(cluster.broker_address, timeout_s=180,
                     credentials=cluster.client_credentials()) as client:
     # Until the broker's health checks take the slice back (UNAVAILABLE meanwhile).
@@ -154,7 +158,13 @@ def test_a_lost_slice_process_restarts_the_slice_on_the_same_ports(slice_cluster
         assert e.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e
         time.sleep(0.5)
     prompt = _prompt(50, 20)
+    before = cluster.relay_stats()["route_bytes"].get("slicedataplane1", 0)
     out = client.generate(prompt_ids=prompt, max_new_tokens=6, route="remote",
                           request_id="slice-after-restart")
     assert out.route == "prfaas", out.summary
     assert out.tokens == reference(tuple(prompt), 6)
+  # The restarted processes' data planes are where the relay's routes lead.
+  deadline = time.monotonic() + 20
+  while cluster.relay_stats()["route_bytes"].get("slicedataplane1", 0) <= before:
+    assert time.monotonic() < deadline, cluster.relay_stats()["route_bytes"]
+    time.sleep(0.2)

@@ -55,6 +55,10 @@ flags.DEFINE_string("pipeline_codec", "raw", "Codec of the time-to-ready runs.")
 flags.DEFINE_bool("planes", False, "Only the transport table (experiments/transfer_planes.py): "
                   "raw TCP plain/TLS, bare gRPC, the gRPC path and the TCP data plane with 1 "
                   "and --lanes connections, CPU s/GB per side, fixed cost per transfer.")
+flags.DEFINE_bool("fixed_cost", False, "Only the fixed cost per transfer (Begin to "
+                  "committed, the first model's state at 4 tokens): raw TCP round trip, gRPC "
+                  "path, data plane with gRPC control and with control on the plane (1 and "
+                  "--lanes connections), --repeats rounds interleaved; mTLS rows with --tls.")
 flags.DEFINE_integer("lanes", 4, "Data-plane connections of the N-connection rows.")
 flags.DEFINE_bool("tls", True, "Also measure the TLS rows (--planes).")
 flags.DEFINE_bool("wan", False, "Only the emulated-WAN runs (experiments/wan_planes.py): the "
@@ -409,6 +413,21 @@ def main(argv):
               f"utilization {100 * v['utilization']:.0f}%, retransmits {v['retransmits']}")
     with open(FLAGS.json_out, "w") as f:
       json.dump(results, f, indent=2)
+    return
+  if FLAGS.fixed_cost:
+    from paas_jax.models import load_config
+    results["flags"].update(fixed_cost=True, lanes=FLAGS.lanes, tls=FLAGS.tls)
+    name = models[0]
+    r = results["models"][name] = transfer_planes.run_fixed_cost(
+        load_config(name), lanes=FLAGS.lanes, repeats=FLAGS.repeats, tls=FLAGS.tls)
+    results["machine"]["load_average_at_end"] = os.getloadavg()
+    with open(FLAGS.json_out, "w") as f:
+      json.dump(results, f, indent=2)
+    for label, cost in r["fixed_cost"].items():
+      print(f"{name} fixed cost ({label}, {cost['state_bytes']} B in {cost['objects']} "
+            f"objects; raw TCP rtt {cost['raw_tcp_rtt_s'] * 1e6:.0f} us, target "
+            f"{cost['target_s'] * 1e3:.2f} ms): " + ", ".join(
+                f"{row} {v['median_s'] * 1e3:.2f} ms" for row, v in cost["rows"].items()))
     return
   if FLAGS.planes:
     from paas_jax.models import load_config

@@ -345,6 +345,57 @@ def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: boo
   return out
 
 
+def run_fixed_cost(config, *, lanes: int, repeats: int, tls: bool = False,
+                   progress=print) -> dict:
+  """Only the fixed-cost rows of ``run`` (Begin to committed, tiny state), for
+  quick old-vs-new comparisons: one raw TCP round trip, then the gRPC path,
+  the data plane with Begin/Commit on gRPC and carrying them itself (1 and
+  ``lanes`` connections), rounds interleaved; mTLS rows too with ``tls``."""
+  from paas_jax.security import ca as ca_lib
+  from paas_jax.security.tls import TLSConfig
+  from paas_jax.transport import SenderOptions, StateSender
+  from paas_jax.transport.dataplane import tls as dp_tls
+  models = {config.name: config.fingerprint()}
+  out: dict = {"fixed_cost": {}}
+  pki = tempfile.mkdtemp(prefix="bench-pki-")
+  ca_lib.make_certs(pki, ("prefill-0", "decode-0"))
+  prefill_tls = TLSConfig.from_dir(pki, "prefill-0")
+  for label, pki_dir in [("plain", None)] + ([("tls", pki)] if tls else []):
+    client_ctx = dp_tls.client_context(prefill_tls) if pki_dir else None
+    creds = prefill_tls.client() if pki_dir else None
+    children = [Child(_serve_tcp, None), Child(_serve_receiver, models, pki_dir)]
+    tcp, rx = children
+    closers = []
+    try:
+      if label == "plain":
+        sock = _tcp_client(tcp.port, None)
+        closers.append(sock.close)
+        out["raw_tcp_rtt_s"] = _tcp_rtt(sock, repeats * 3)
+      senders = {}
+      kinds = [("grpc_path_1", "grpc", 1, True)] if label == "plain" else []
+      kinds += [("tcp_1_grpc_control", "tcp", 1, False), ("tcp_1", "tcp", 1, True),
+                (f"tcp_{lanes}", "tcp", lanes, True)]
+      for name, plane, n, control in kinds:
+        sender = StateSender(f"127.0.0.1:{rx.port}", options=SenderOptions(
+            plane=plane, num_streams=n, num_connections=n, lanes=n, credentials=creds,
+            data_ssl=client_ctx, plane_control=control))
+        closers.append(sender.close)
+        senders[name] = sender
+      out["fixed_cost"][label] = _fixed_costs(senders, config, repeats)
+      progress(f"{label} fixed cost done")
+    finally:
+      for close in closers:
+        close()
+      for child in children:
+        child.stop()
+  for cost in out["fixed_cost"].values():
+    cost["raw_tcp_rtt_s"] = out["raw_tcp_rtt_s"]
+    cost["target_s"] = 3 * out["raw_tcp_rtt_s"] + cost["commit_check_s"]
+    for row in cost["rows"].values():
+      row["vs_target"] = row["median_s"] / cost["target_s"]
+  return out
+
+
 def _fixed_costs(senders: dict, config, repeats: int) -> dict:
   """Begin to committed for a tiny state (a few tokens) through each sender,
   one transfer per sender per round (so that machine load hits all alike),

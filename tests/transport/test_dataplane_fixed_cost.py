@@ -281,3 +281,54 @@ def test_spliced_manifest_header_is_still_checked(config, state, monkeypatch):
     assert "someone-else" in e.value.message and full_parses == []
     assert rx.receiver.ready.empty()
     assert_clean(rx)
+
+
+def _slow_run(config, state, *, slow_chunks_s=0.0, commit_hang_s=0.0):
+  """A warm transfer with ``commit_timeout_s=0.5``; the receiver spends
+  ``slow_chunks_s`` on the transfer's chunks (spread over its first ten) or
+  ``commit_hang_s`` in Commit. Returns the TransferError or None."""
+  import time
+  from paas_jax.transport import TransferError
+  with receivers(config) as make:
+    rx = make()
+    with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=1,
+                                                      commit_timeout_s=0.5)) as sender:
+      send(sender, config, state, codec=SMALL_CHUNKS)  # cold
+      rx.receiver.ready.get(timeout=10)
+      real_chunk, real_commit, seen = rx.receiver.plane_chunk, rx.receiver._commit, []
+
+      def slow_chunk(*args):
+        if len(seen) < 10:
+          seen.append(1)
+          time.sleep(slow_chunks_s / 10)
+        return real_chunk(*args)
+
+      def hung_commit(request):
+        time.sleep(commit_hang_s)
+        return real_commit(request)
+
+      rx.receiver.plane_chunk, rx.receiver._commit = slow_chunk, hung_commit
+      try:
+        send(sender, config, state, codec=SMALL_CHUNKS)
+        assert_states_match(state, rx.receiver.ready.get(timeout=10).state, N)
+        return None
+      except TransferError as e:
+        return e
+      finally:
+        assert_clean(rx)
+
+
+def test_armed_commit_timeout_counts_from_its_write(config, state):
+  """COMMIT's timeout starts when it is written, not when it was armed: a
+  transfer whose frames take longer than commit_timeout_s to be acknowledged
+  still commits."""
+  assert _slow_run(config, state, slow_chunks_s=1.5) is None
+
+
+def test_negative_control_commit_that_hangs_times_out(config, state):
+  """Negative control: a Commit that does not answer within commit_timeout_s
+  of COMMIT's write fails the transfer with DEADLINE_EXCEEDED."""
+  import grpc
+  error = _slow_run(config, state, commit_hang_s=2.0)
+  assert error is not None and error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+  assert "no reply to COMMIT" in error.message

@@ -55,12 +55,13 @@ def resolve_pools(*, decode_slice: int, decode_slice_devices: int, prefill_pod: 
   notes = []
   where = f"a decode slice (--decode_slice={decode_slice})"
   if prefill_pod < 2:
+    # A slice takes a pod's per-process parts (launch_args.prefill_args).
     if "prefill_pod" in explicit:
-      raise app.UsageError(f"{where} takes its parts from a prefill pod: it needs "
-                           f"--prefill_pod >= 2, got --prefill_pod={prefill_pod}")
-    prefill_pod = 2
-    notes.append(f"{where} takes its parts from a prefill pod: region A runs as one "
-                 "(--prefill_pod=2)")
+      notes.append(f"{where} takes a pod's parts: region A runs as a pod of one process")
+    else:
+      prefill_pod = 2
+      notes.append(f"{where} takes its parts from a prefill pod: region A runs as one "
+                   "(--prefill_pod=2)")
   if prefix_block > 0:
     if "prefix_block" in explicit:
       raise app.UsageError(f"{where} keeps no prefix cache: pass --prefix_block=0, "

@@ -41,7 +41,10 @@ def server_args(spec, host: str) -> list[str]:
 
 def prefill_args(spec, host: str) -> list[str]:
   """Region A's prefill server (without the security/metrics flags)."""
-  module = "pod_prefill_server" if spec.prefill_pod > 1 else "prefill_server"
+  # A decode slice takes a pod's per-process parts: region A of one process
+  # then runs as a pod of one (pod_prefill_server), not as the prefill server.
+  as_pod = spec.prefill_pod > 1 or spec.decode_slice > 1
+  module = "pod_prefill_server" if as_pod else "prefill_server"
   args = ["-m", f"paas_jax.serving.{module}", *server_args(spec, host),
           f"--codec_compression={spec.codec_compression}",
           f"--transfer_streams={spec.transfer_streams}",
@@ -56,7 +59,7 @@ def prefill_args(spec, host: str) -> list[str]:
              f"--tenant_quota={spec.tenant_quota}"]
   if spec.prefill_faults:
     args.append(f"--faults={spec.prefill_faults}")
-  if spec.prefill_pod > 1:  # region A as a pod of processes (pod_prefill_server)
+  if as_pod:  # region A as a pod of processes (pod_prefill_server)
     args += [f"--pod_processes={spec.prefill_pod}",
              f"--pod_devices={spec.prefill_pod_devices}"]
     if spec.prefill_pod_fault:
@@ -74,8 +77,7 @@ def check_decode_slice(spec) -> None:
   unfit = {"pd_nodes > 1": spec.pd_nodes > 1,
            "decode_regions > 1": spec.decode_regions > 1, "flaky_wan": spec.flaky_wan,
            "decode_faults": bool(spec.decode_faults), "prefix_block": spec.prefix_block > 0,
-           "a single-process prefill server (a slice takes a pod's parts)":
-           spec.prefill_pod < 2}
+           "prefill_faults (a slice's region A runs as a pod)": bool(spec.prefill_faults)}
   named = [k for k, v in unfit.items() if v]
   if named:
     raise ValueError(f"a decode slice (decode_slice={spec.decode_slice}) is launched without "

@@ -66,6 +66,10 @@ def test_a_decode_slice_turns_defaults_that_do_not_fit_into_ones_that_do_and_say
                              "prefix_block": 0, "tls": tls,
                              "explicit": ("prefill_pod", "prefix_block", "tls")})
     assert (pools.prefill_pod, pools.prefix_block, pools.tls, pools.notes) == (3, 0, tls, ())
+  # Region A of one process, asked for, feeds the slice as a pod of one.
+  pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2, "prefill_pod": 1, "prefix_block": 0,
+                           "explicit": ("prefill_pod", "prefix_block")})
+  assert pools.prefill_pod == 1 and "a pod of one process" in pools.notes[0]
 
 
 def test_without_a_slice_the_defaults_stay_as_they_are():
@@ -75,7 +79,6 @@ def test_without_a_slice_the_defaults_stay_as_they_are():
 
 @pytest.mark.parametrize("given, flag", [
     ({"prefix_block": 64, "explicit": ("prefix_block",)}, "--prefix_block"),
-    ({"prefill_pod": 1, "explicit": ("prefill_pod",)}, "--prefill_pod"),
     ({"pd_nodes": 2}, "--pd_nodes"),
     ({"decode_regions": 2}, "--decode_regions"),
     ({"fault": "drop_link"}, "--fault=drop_link"),

@@ -89,8 +89,15 @@ def test_the_launcher_starts_a_slice_only_where_it_fits():
   assert "--slice_processes=2" in args and "--slice_devices=2" in args
   assert launch_args.decode_args(ClusterSpec(), "127.0.0.1", None)[1] == (
       "paas_jax.serving.decode_server")
-  with pytest.raises(ValueError, match="single-process prefill server"):
-    launch_args.check_decode_slice(ClusterSpec(decode_slice=2))
+  # Region A of one process feeds a slice as a pod of one (the slice takes a pod's parts).
+  one = ClusterSpec(decode_slice=2, prefix_block=0)
+  launch_args.check_decode_slice(one)
+  args = launch_args.prefill_args(one, "127.0.0.1")
+  assert args[1] == "paas_jax.serving.pod_prefill_server" and "--pod_processes=1" in args
+  assert launch_args.prefill_args(ClusterSpec(), "127.0.0.1")[1] == (
+      "paas_jax.serving.prefill_server")
+  with pytest.raises(ValueError, match="prefill_faults"):
+    launch_args.check_decode_slice(dataclasses.replace(one, prefill_faults="corrupt_chunks=3"))
   with pytest.raises(ValueError, match="pd_nodes > 1"):
     launch_args.check_decode_slice(ClusterSpec(prefill_pod=2, decode_slice=2, pd_nodes=2))
 

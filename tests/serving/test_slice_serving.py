@@ -168,3 +168,26 @@ def test_a_lost_slice_process_restarts_the_slice_on_the_same_ports(slice_cluster
   while cluster.relay_stats()["route_bytes"].get("slicedataplane1", 0) <= before:
     assert time.monotonic() < deadline, cluster.relay_stats()["route_bytes"]
     time.sleep(0.2)
+
+
+@pytest.mark.slow  # its own cluster (a one-process pod and a slice start and compile)
+def test_region_a_of_one_process_feeds_a_slice_token_exact(tmp_path, reference):
+  """P=1 -> Q=2 on the serving path: region A of one process runs as a pod of
+  one (launch_args.prefill_args) and streams each slice process its shards."""
+  spec = ClusterSpec(n_slots=2, max_queue=8, max_ctx=256, prefill_buckets=(64,),
+                     prefill_max_batch=1, threshold=16, decode_slice=2, prefix_block=0)
+  cluster = LocalCluster(spec, tmp_path).start()
+  try:
+    assert "paas_jax.serving.pod_prefill_server" in cluster.procs["prefill"].args
+    with BrokerClient(cluster.broker_address, timeout_s=120,
+                      credentials=cluster.client_credentials()) as client:
+      _wait_remote(client)
+      prompt = _prompt(45, 40)
+      out = client.generate(prompt_ids=prompt, max_new_tokens=6, route="remote",
+                            request_id="one-to-slice", temperature=0.8, seed=5)
+      assert out.route == "prfaas", out.summary
+      assert out.tokens == reference(tuple(prompt), 6, 0.8, 0, 1.0, 5)
+    stats = _idle_stats(cluster, "decode", serving_pb2_grpc.DecodeStub)
+    assert all(stats[f"slice_bytes_in:{q}"] > 0 for q in (0, 1)), stats
+  finally:
+    cluster.stop()

@@ -69,9 +69,9 @@ def resolve_pools(*, decode_slice: int, decode_slice_devices: int, prefill_pod: 
     notes.append(f"{where} keeps no prefix cache: both regions run without one "
                  f"(--prefix_block=0 instead of the default {prefix_block})")
     prefix_block = 0
-  if pd_nodes > 1:
-    raise app.UsageError(f"{where} is region B's only PD node: it needs --pd_nodes=1, "
-                         f"got --pd_nodes={pd_nodes}")
+  if pd_nodes > 1:  # PD node 0 is the slice, the others single decode servers
+    notes.append(f"{where} is PD node 0 (\"decode\", role both); the other "
+                 f"{pd_nodes - 1} PD node(s) are single decode servers")
   if decode_regions > 1:
     raise app.UsageError(f"{where} serves the only decode region: it needs "
                          f"--decode_regions=1, got --decode_regions={decode_regions}")

@@ -107,8 +107,9 @@ flags.DEFINE_string("tenant_weights", "", "Region weights for wfq, e.g. 'B=2,C=1
 flags.DEFINE_integer("prefill_pod", 1, "Region A as a pod of this many processes (TP over all; "
                      "serving/pod_prefill_server.py). --fault=kill_pod_process: pod process 1 "
                      "dies mid-prefill of the pod's 2nd request; the pod restarts as a unit.")
-flags.DEFINE_integer("decode_slice", 1, "Region B as a decode slice of this many processes "
-                     "(TP over all; serving/slice_decode_server.py), its only PD node. Needs a "
+flags.DEFINE_integer("decode_slice", 1, "Region B's PD node 0 as a decode slice of this many "
+                     "processes (TP over all; serving/slice_decode_server.py); with --pd_nodes "
+                     "> 1 the others are single decode servers. Needs a "
                      "prefill pod and no prefix cache: left at their defaults, --prefill_pod "
                      "becomes 2 and --prefix_block 0 (printed); conflicting flags are refused.")
 flags.DEFINE_integer("decode_slice_devices", 1, "Devices per decode slice process.")

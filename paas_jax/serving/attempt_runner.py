@@ -169,7 +169,8 @@ class AttemptRunner:
     deadline, the tokens the client has, the healthy nodes and what the resume
     policy says of the failed attempt's commit point on decode node ``di``."""
     others = bool(self.pool.healthy_prefill(exclude=bad_prefill))
-    offer = self.resume_policy.decide(
+    # A node that keeps no commit points (a slice) cannot resume: no offer.
+    offer = None if not self.pool.shapes[di].commit_points else self.resume_policy.decide(
         prompt_tokens=prompt_len, commit_point=rec.commit_point,
         earlier_id=att.downstream_id, decode_index=di,
         decode_healthy=self.pool.healthy(NodeKind.DECODE, di), other_prefill=others,
@@ -215,8 +216,10 @@ class AttemptRunner:
     otherwise a PD-P node prefills and streams the state to ``di`` inside
     region B (the PrfaaS machinery with another prefill stub and address)."""
     colocated = self.pool.colocated(di)
+    # Only a PD-P node that may hand ``di`` a whole state (node shapes: never
+    # into a slice, never from one; a slice prefills its own: colocated).
     ni = None if colocated else self.pool.pick(NodeKind.PDP, exclude={di},
-                                               prefer=rec.prefix_node)
+                                               prefer=rec.prefix_node, to=di)
     if ni is None:
       if not colocated:
         self.counters["pdp_colocated_fallback"] += 1

@@ -193,9 +193,11 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
         self.counters["rebalance_applied"] += 1
     n_p = prop["proposed_split"]["n_p"]
     if apply and n_nodes > 1 and n_p != n_p_now and not moving:
-      # Flip the fewest nodes, preferring those with the least work to drain.
+      # Flip the fewest nodes, preferring those with the least work to drain
+      # (only nodes whose role may change: a decode slice stays "both").
       try:
-        self.set_roles(pd_roles.plan_split(self.pool.roles(), n_p, self.pool.node_load()),
+        self.set_roles(pd_roles.plan_split_for(self.pool.roles(), self.pool.shapes, n_p,
+                                               self.pool.node_load()),
                        reason=f"rebalance: N_p {n_p_now}->{n_p}, "
                               f"gain {100 * prop['relative_gain']:.1f}%")
       except pd_roles.RoleError as e:
@@ -467,8 +469,9 @@ def start(model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str]
   broker's certificate to the regions; it overrides ``credentials`` and
   ``channel_credentials``. ``metrics`` records RPCs, routing, TTFT/TPOT and
   reroutes. Past ``max_workers`` concurrent calls, RESOURCE_EXHAUSTED.
-  ``roles``: the PD nodes' starting roles (``pd_roles.default_roles``: one
-  node "both", N > 1 split N // 2 PD-P).
+  ``roles``: the PD nodes' starting roles (default ``pd_roles.default_roles_for``
+  their shapes: one node "both", N > 1 single-process nodes split N // 2 PD-P,
+  a decode slice always "both").
   """
   if security is not None:
     credentials = security.server_credentials()

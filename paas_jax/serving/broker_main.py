@@ -41,11 +41,11 @@ def main(argv):
                for c, t, lt in zip(FLAGS.decode, FLAGS.decode_transfer, local)]
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  try:
-    roles = (pd_roles.validate_roles(FLAGS.pd_roles) if FLAGS.pd_roles
-             else pd_roles.default_roles(len(targets), FLAGS.pd_prefill_nodes))
+  try:  # the roles' form now (before waiting); against the nodes' shapes below
+    if FLAGS.pd_roles:
+      pd_roles.validate_roles(FLAGS.pd_roles)
   except pd_roles.RoleError as e:
-    raise app.UsageError(str(e)) from None
+    raise app.UsageError(f"--pd_roles: {e}") from None
   threshold = float("inf") if FLAGS.threshold < 0 else FLAGS.threshold
   for target in list(FLAGS.prefill) + list(FLAGS.decode):
     common.wait_healthy(target, FLAGS.wait_s, credentials=channel_creds)
@@ -53,6 +53,15 @@ def main(argv):
     targets = [t.with_slice(served_model_of(t.control, channel_creds).slice) for t in targets]
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  # A decode slice among the nodes has a fixed role ("both"); the default
+  # split places only the single-process nodes (pd_roles.default_roles_for).
+  shapes = [t.shape for t in targets]
+  try:
+    roles = (pd_roles.check_roles(FLAGS.pd_roles, shapes) if FLAGS.pd_roles
+             else pd_roles.default_roles_for(shapes, FLAGS.pd_prefill_nodes))
+  except pd_roles.RoleError as e:
+    flag = "--pd_roles" if FLAGS.pd_roles else "--pd_prefill_nodes"
+    raise app.UsageError(f"{flag}: {e}") from None
   config = (load_config(FLAGS.config) if FLAGS.config
             else model_config_from_decode(FLAGS.decode[0], channel_creds))
   text = served_text(config, FLAGS.checkpoint, FLAGS.tokenizer, FLAGS.served_model_name,

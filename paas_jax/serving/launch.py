@@ -131,9 +131,11 @@ class ClusterSpec:
   prefill_pod_fault: str = ""
   # Region B's decode server as a slice of this many processes (one JAX
   # program, TP over decode_slice x decode_slice_devices devices; serving/
-  # slice_decode_server.py; 1: the single-process decode server), as region
-  # B's only PD node. Behind an emulated link the relay forwards each slice
-  # process's StateTransfer port and the parts travel on gRPC.
+  # slice_decode_server.py; 1: the single-process decode server). With
+  # pd_nodes > 1 PD node 0 ("decode") is the slice (role "both": it prefills
+  # its own local requests) and "decode1", ... single decode servers
+  # (pd_prefill_nodes splits those). Behind an emulated link the relay
+  # forwards each slice process's StateTransfer port and data plane.
   decode_slice: int = 1
   decode_slice_devices: int = 1
 
@@ -210,9 +212,11 @@ class LocalCluster:
         # Behind a relay the data plane binds another loopback address; the relay
         # listens on the announced port at the host region A dials.
         relayed = self.link_of(region) is not None and spec.transfer_plane == "tcp"
-        args = launch_args.decode_args(spec, self.local_host(region),
-                                       _DATA_PLANE_HOST if relayed else None)
-        for name in self.pd_names_of(region):
+        # With a decode slice, PD node 0 ("decode") is the slice and the
+        # others single decode servers (launch_args.pd_node_shapes).
+        for node, name in enumerate(self.pd_names_of(region)):
+          args = launch_args.decode_args(spec, self.local_host(region),
+                                         _DATA_PLANE_HOST if relayed else None, node)
           self.procs[name] = self._spawn(name, args + self._common_args("decode"), region)
       wait_ready(list(self.procs.values()), spec.startup_timeout_s, on_tick)
       self.timings["regions_ready_s"] = time.monotonic() - t0
@@ -247,8 +251,8 @@ class LocalCluster:
     pd_wan = [transfer_target] + pd_local[1:]
     # A decode slice: region A sends each slice process its own parts.
     slice_transfer = pd_info[0].get("slice_transfer", [])[1:] if spec.decode_slice > 1 else []
-    if slice_transfer:
-      pd_wan = ["+".join([transfer_target, *slice_transfer])]
+    if slice_transfer:  # node 0's entry lists its processes; the others' stay
+      pd_wan = ["+".join([transfer_target, *slice_transfer])] + pd_wan[1:]
     if link is not None:
       relay_link = (dataclasses.replace(link, shape_bandwidth=False)
                     if self.netns is not None else link)
@@ -279,7 +283,8 @@ class LocalCluster:
                                                   for i in range(1, len(pd_info))]
       if slice_transfer:
         pd_wan = ["+".join([pd_wan[0]] + [f"{dial}:{ports[f'slice{q}']}"
-                                          for q in range(1, len(slice_transfer) + 1)])]
+                                          for q in range(1, len(slice_transfer) + 1)])
+                  ] + pd_wan[1:]
       prefill_target = f"{local}:{ports['control']}"
       prefix_target = f"{local}:{ports['prefix']}"
     broker = self._name(region, "broker")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from paas_jax.netem.link import LinkSpec
+from paas_jax.serving import pd_roles
 
 
 def link_bps(link: LinkSpec | None) -> float:
@@ -74,14 +75,27 @@ def check_decode_slice(spec) -> None:
                      f"({spec.decode_slice_devices}) must be >= 1")
   if spec.decode_slice == 1:
     return
-  unfit = {"pd_nodes > 1": spec.pd_nodes > 1,
-           "decode_regions > 1": spec.decode_regions > 1, "flaky_wan": spec.flaky_wan,
+  unfit = {"decode_regions > 1": spec.decode_regions > 1, "flaky_wan": spec.flaky_wan,
            "decode_faults": bool(spec.decode_faults), "prefix_block": spec.prefix_block > 0,
            "prefill_faults (a slice's region A runs as a pod)": bool(spec.prefill_faults)}
   named = [k for k, v in unfit.items() if v]
   if named:
     raise ValueError(f"a decode slice (decode_slice={spec.decode_slice}) is launched without "
                      f"{', '.join(named)}")
+  # PD node 0 is the slice, always "both"; pd_prefill_nodes splits the other
+  # pd_nodes - 1 (single-process) nodes as the broker will (pd_roles).
+  try:
+    pd_roles.default_roles_for(pd_node_shapes(spec), spec.pd_prefill_nodes)
+  except pd_roles.RoleError as e:
+    raise ValueError(f"pd_prefill_nodes={spec.pd_prefill_nodes} with a decode slice as PD "
+                     f"node 0 of pd_nodes={spec.pd_nodes}: {e}") from None
+
+
+def pd_node_shapes(spec) -> list:
+  """Each PD node's ``pd_roles.NodeShape``: with a decode slice, node 0
+  ("decode") is the slice and the others single decode processes."""
+  return [pd_roles.SLICE if i == 0 and spec.decode_slice > 1 else pd_roles.SINGLE
+          for i in range(max(spec.pd_nodes, 1))]
 
 
 def slice_tls_names(spec) -> list[str]:
@@ -93,10 +107,10 @@ def slice_tls_names(spec) -> list[str]:
   return [f"decode-slice{q}" for q in range(spec.decode_slice)]
 
 
-def decode_args(spec, host: str, data_plane_host: str | None) -> list[str]:
-  """A PD node (decode server). ``data_plane_host``: bind the data plane there
-  (a relay takes the announced port on the address region A dials)."""
-  if spec.decode_slice > 1:  # region B as a slice of processes (slice_decode_server)
+def decode_args(spec, host: str, data_plane_host: str | None, node: int = 0) -> list[str]:
+  """PD node ``node`` (a decode server). ``data_plane_host``: bind the data
+  plane there (a relay takes the announced port on the address region A dials)."""
+  if pd_node_shapes(spec)[node] is pd_roles.SLICE:  # a slice of processes (node 0)
     # Behind a relay (data_plane_host) every slice process's data plane binds
     # there; the relay forwards each one's announced port (launch.py).
     names = slice_tls_names(spec)

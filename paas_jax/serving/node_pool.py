@@ -12,6 +12,10 @@ The broker asks the pool, never the nodes' bookkeeping directly:
 * roles: ``set_roles`` moves PD nodes between PD-P / PD-D / both; a moving
   node drains first (the pure rules live in ``pd_roles``), and ``release``
   completes the moves whose old-role work has drained;
+* shapes: each PD node's ``pd_roles.NodeShape`` (a single decode process, or
+  a decode slice: ``DecodeTarget.shape``) bounds its roles and which nodes a
+  PD-P split may pair (``pick(PDP, to=...)``, ``colocated``): a slice is
+  never fed a whole state by another node and never prefills for one;
 * reported load: ``observe_load`` keeps each node's latest typed ``GetLoad``
   report (``NodeLoad``: queue, decode slots; the live view's polls feed it),
   shown next to the broker's own in-flight count in ``roles_info`` /
@@ -64,6 +68,12 @@ class DecodeTarget:
   @property
   def intra_transfer(self) -> str:
     return self.local_transfer or self.transfer
+
+  @property
+  def shape(self) -> pd_roles.NodeShape:
+    """What the node can take and serve (``pd_roles``): a slice once
+    ``with_slice`` (or a ``+`` list) said it is one."""
+    return pd_roles.SLICE if self.slice else pd_roles.SINGLE
 
   @property
   def decode_slice(self) -> serving_pb2.DecodeSlice | None:
@@ -147,7 +157,8 @@ class NodePool:
   """Prefill servers and PD nodes; see the module docstring.
 
   ``counters``: the broker's counters (server_up/down, role_moves, ...).
-  ``roles``: the PD nodes' starting roles (``pd_roles.default_roles``).
+  ``roles``: the PD nodes' starting roles (default:
+  ``pd_roles.default_roles_for`` their shapes); checked against the shapes.
   """
 
   def __init__(self, prefill_targets: Sequence[str], decode_targets: Sequence[DecodeTarget], *,
@@ -168,11 +179,15 @@ class NodePool:
     self.decode_stubs = [serving_pb2_grpc.DecodeStub(c) for c in self._channels[n_prefill:]]
     # Every PD node also serves Prefill (PD-P for another PD node), same channel.
     self.pdp_stubs = [serving_pb2_grpc.PrefillStub(c) for c in self._channels[n_prefill:]]
-    # One node: "both" (colocated PD-P + PD-D); more: a PD-P / PD-D split.
-    self._roles = tuple(pd_roles.NodeRole(r) for r in pd_roles.validate_roles(
-        roles if roles is not None else pd_roles.default_roles(len(self.decode_targets))))
-    if len(self._roles) != len(self.decode_targets):
-      raise ValueError(f"{len(self._roles)} roles for {len(self.decode_targets)} PD nodes")
+    # What each node can take and serve (a single process or a slice).
+    self.shapes = tuple(t.shape for t in self.decode_targets)
+    # One node: "both" (colocated PD-P + PD-D); more: a PD-P / PD-D split
+    # of the nodes whose role may change (a slice is always "both").
+    if roles is not None and len(roles) != len(self.decode_targets):
+      raise ValueError(f"{len(roles)} roles for {len(self.decode_targets)} PD nodes")
+    self._roles = tuple(pd_roles.NodeRole(r) for r in (
+        pd_roles.check_roles(roles, self.shapes) if roles is not None
+        else pd_roles.default_roles_for(self.shapes)))
     self.role_moves: collections.deque[dict] = collections.deque(maxlen=256)
     # Probed only once start() runs; until then every server counts as up.
     # Probes go over the same channels as the real calls: a server counts as
@@ -185,7 +200,10 @@ class NodePool:
     self._load = collections.Counter()  # (NodeKind, index) -> in-flight work
     # (NodeKind.PREFILL | NodeKind.DECODE, index) -> latest NodeLoad (observe_load).
     self._reported: dict[tuple[NodeKind, int], NodeLoad] = {}
-    self._rr = itertools.count()
+    # Round-robin start per kind: a PrfaaS request's prefill pick must not
+    # step the decode picks' rotation (two kinds per request would otherwise
+    # keep landing on the same parity of PD nodes).
+    self._rr = {k: itertools.count() for k in NodeKind}
 
   def start(self) -> None:
     self.health.start()
@@ -229,20 +247,23 @@ class NodePool:
 
   # -- picking --------------------------------------------------------------------
 
-  def pick(self, kind: NodeKind, exclude=(), prefer: int = -1) -> int | None:
+  def pick(self, kind: NodeKind, exclude=(), prefer: int = -1,
+           to: int | None = None) -> int | None:
     """The least loaded healthy node of ``kind`` not in ``exclude`` (None: none).
 
     PREFILL: a PrfaaS server; DECODE: a PD node serving decode (role pdd/both,
     not draining away from it), or, when none is healthy, any healthy PD node
     (colocated fallback), non-draining ones first; PDP: a PD node serving PD-P
-    prefill (no fallback: the caller prefills colocated). ``prefer``: taken
-    whenever it qualifies (where a shipped prefix or a commit point waits).
+    prefill (no fallback: the caller prefills colocated) whose shape serves
+    Prefill to other nodes and, with ``to``, may hand a state to PD node
+    ``to`` (``pd_roles.can_hand_off``). ``prefer``: taken whenever it
+    qualifies (where a shipped prefix or a commit point waits).
     Counts one unit of load on the node until ``release``.
     """
     kind = NodeKind(kind)
     n = len(self.prefill_targets) if kind == NodeKind.PREFILL else len(self.decode_targets)
     with self._lock:
-      start = next(self._rr)
+      start = next(self._rr[kind])
       order = [(start + i) % n for i in range(n)]
       order = [i for i in order if i not in exclude
                and self.health.is_healthy(self.address(kind, i))]
@@ -250,7 +271,9 @@ class NodePool:
         order = ([i for i in order if pd_roles.DECODE in self._roles[i].serving]
                  or [i for i in order if not self._roles[i].draining] or order)
       elif kind == NodeKind.PDP:
-        order = [i for i in order if pd_roles.PREFILL in self._roles[i].serving]
+        order = [i for i in order if pd_roles.PREFILL in self._roles[i].serving
+                 and self.shapes[i].prefills_for_others
+                 and (to is None or pd_roles.can_hand_off(self.shapes[i], self.shapes[to]))]
       if not order:
         return None
       best = prefer if prefer in order else min(order, key=lambda i: self._load[(kind, i)])
@@ -269,20 +292,27 @@ class NodePool:
       return self._load[(NodeKind(kind), index)]
 
   def colocated(self, di: int) -> bool:
-    """Whether PD node ``di`` prefills its own requests (one node, or PD-P is
-    among the capabilities it serves now)."""
+    """Whether PD node ``di`` prefills its own requests (one node, PD-P is
+    among the capabilities it serves now, or it takes no whole state from
+    another node: a slice prefills its own local requests)."""
     with self._lock:
-      return len(self.decode_targets) == 1 or pd_roles.PREFILL in self._roles[di].serving
+      return self._colocated_locked(di)
+
+  def _colocated_locked(self, di: int) -> bool:
+    return (len(self.decode_targets) == 1 or pd_roles.PREFILL in self._roles[di].serving
+            or not self.shapes[di].whole_state_in)
 
   def prefix_importer_node(self, di: int) -> int:
     """The PD node whose PD-P prefix cache should get a prefix from region A:
     the decode node when it prefills colocated, else the PD-P node a pdp
-    request would pick now (the least loaded healthy one)."""
+    request would pick now (the least loaded healthy one). -1: the node
+    that would prefill keeps no prefix cache (a decode slice)."""
     with self._lock:
-      if len(self.decode_targets) == 1 or pd_roles.PREFILL in self._roles[di].serving:
-        return di
+      if self._colocated_locked(di):
+        return di if self.shapes[di].prefix_cache else -1
       nodes = [i for i in range(len(self.decode_targets)) if i != di
                and pd_roles.PREFILL in self._roles[i].serving
+               and pd_roles.can_hand_off(self.shapes[i], self.shapes[di])
                and self.health.is_healthy(self.decode_targets[i].control)]
       return min(nodes, key=lambda i: self._load[(NodeKind.PDP, i)]) if nodes else di
 
@@ -316,8 +346,10 @@ class NodePool:
     Returns the moves started (``pd_roles.RoleMove``). Each moving node drains
     first (module ``pd_roles``); ``role_moves`` records when it started and
     completed. Raises ``pd_roles.RoleError`` (nothing changes) for an unknown
-    role, a wrong count or no node left to decode.
+    role, a wrong count, no node left to decode or a role the node's shape
+    cannot hold (a slice's other than "both").
     """
+    pd_roles.check_roles(roles, self.shapes)
     with self._lock:
       nodes, moves = pd_roles.begin_moves(self._roles, roles)
       self._roles = nodes
@@ -370,7 +402,8 @@ class NodePool:
       load = dict(self._load)
       reported = {i: self._reported.get((NodeKind.DECODE, i))
                   for i in range(len(self.decode_targets))}
-    return [{"node": t.control, "index": i, "role": n.role, "target": n.final,
+    return [{"node": t.control, "index": i, "shape": t.shape.name, "role": n.role,
+             "target": n.final,
              "draining": n.draining, "serving": sorted(n.serving),
              "inflight_decode": load.get((NodeKind.DECODE, i), 0),
              "inflight_prefill": load.get((NodeKind.PDP, i), 0),

@@ -14,6 +14,17 @@ capability it gives up (``dropped``) and none that needs one it is gaining
 (``added``) yet. Once the broker's count of its in-flight work of the dropped
 capabilities reaches zero, the move completes and it serves ``new``.
 
+A node also has a *shape* (``NodeShape``): what its processes can take and
+serve whatever its role, fixed for its lifetime. A single decode process
+(``SINGLE``) can hold any role. A decode slice of several processes
+(``SLICE``, ``slice_decode_server``) takes a prefill pod's per-process parts
+but never a whole state from another PD node, serves no Prefill to other
+nodes, keeps no commit points and no prefix cache: its role is ``both``
+(it prefills its own local requests and decodes), always. Whether a PD-P
+node may stream a state to a PD-D node is ``can_hand_off`` of their shapes;
+roles are checked against shapes (``check_roles``) and the default split and
+the rebalancer's moves place only the nodes whose role may change.
+
 Everything here is pure (frozen dataclasses in, new ones out); the broker owns
 the clock, the lock and the in-flight counters.
 """
@@ -38,6 +49,45 @@ class RoleError(ValueError):
   def __init__(self, message: str, precondition: bool = False):
     super().__init__(message)
     self.precondition = precondition
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeShape:
+  """What a PD node's processes can do, whatever its role (module docstring).
+
+  roles: the roles it may hold; whole_state_in: takes a whole state another
+  PD node (PD-P) streams to its StateTransfer port; prefills_for_others:
+  serves Prefill for another PD node; commit_points: resumes an attempt from
+  them (``resume_from``); prefix_cache: may hold one (ExportPrefix target
+  and source).
+  """
+
+  name: str
+  roles: frozenset[str]
+  whole_state_in: bool
+  prefills_for_others: bool
+  commit_points: bool
+  prefix_cache: bool
+
+  @property
+  def fixed_role(self) -> str | None:
+    """Its only role, if it may hold just one."""
+    return next(iter(self.roles)) if len(self.roles) == 1 else None
+
+
+SINGLE = NodeShape("single", frozenset(ROLES), whole_state_in=True, prefills_for_others=True,
+                   commit_points=True, prefix_cache=True)
+# A slice restores per-process parts in place (pod_transfer) and serves no
+# Prefill: a PD-P split can neither feed it nor be done by it, so it prefills
+# its own local requests ("both").
+SLICE = NodeShape("slice", frozenset({BOTH_ROLE}), whole_state_in=False,
+                  prefills_for_others=False, commit_points=False, prefix_cache=False)
+
+
+def can_hand_off(src: NodeShape, dst: NodeShape) -> bool:
+  """Whether a PD-P node of shape ``src`` may stream a whole state to a PD-D
+  node of shape ``dst`` (the only node-to-node handoff)."""
+  return src.prefills_for_others and dst.whole_state_in
 
 
 def capabilities(role: str) -> frozenset[str]:
@@ -97,6 +147,35 @@ def validate_roles(roles: Sequence[str]) -> tuple[str, ...]:
   if not any(DECODE in capabilities(r) for r in roles):
     raise RoleError(f"roles {list(roles)} leave no PD node to decode", precondition=True)
   return roles
+
+
+def check_roles(roles: Sequence[str], shapes: Sequence[NodeShape]) -> tuple[str, ...]:
+  """``validate_roles``, and each node's role one its shape may hold."""
+  roles = validate_roles(roles)
+  if len(roles) != len(shapes):
+    raise RoleError(f"need {len(shapes)} roles (one per PD node), got {len(roles)}")
+  for i, (r, shape) in enumerate(zip(roles, shapes)):
+    if r not in shape.roles:
+      raise RoleError(f"PD node {i} is a decode {shape.name}: its role is "
+                      f"{' or '.join(sorted(shape.roles))} (it takes no whole state from "
+                      f"another node and prefills for none), not {r!r}")
+  return roles
+
+
+def default_roles_for(shapes: Sequence[NodeShape], n_prefill: int | None = None
+                      ) -> tuple[str, ...]:
+  """``default_roles`` over the nodes whose role may change (in order), the
+  others at their fixed role: with a slice and one single node, both are
+  ``both``; with a slice and N single nodes those split as ``default_roles(N)``
+  (the PD-P ones prefill for the single PD-D ones, never for the slice)."""
+  if not shapes:
+    raise RoleError("need at least one PD node, got none")
+  free = [i for i, s in enumerate(shapes) if s.fixed_role is None]
+  split_free = default_roles(len(free), n_prefill) if free else ()
+  out = [s.fixed_role for s in shapes]
+  for i, r in zip(free, split_free):
+    out[i] = r
+  return check_roles(out, shapes)
 
 
 def default_roles(n_nodes: int, n_prefill: int | None = None) -> tuple[str, ...]:
@@ -166,6 +245,23 @@ def plan_split(roles: Sequence[str], n_p: int, load: Mapping[int, float] | None 
       out[i] = PDD_ROLE
     for i in both:
       out[i] = PDD_ROLE
+  return tuple(out)
+
+
+def plan_split_for(roles: Sequence[str], shapes: Sequence[NodeShape], n_p: int,
+                   load: Mapping[int, float] | None = None) -> tuple[str, ...]:
+  """``plan_split`` over the nodes whose role may change (``n_p`` of them
+  PD-P, at least one PD-D); nodes of a fixed role keep it."""
+  free = [i for i, s in enumerate(shapes) if s.fixed_role is None]
+  if not free:
+    raise RoleError("no PD node's role may change (decode slices keep theirs)",
+                    precondition=True)
+  load = load or {}
+  planned = plan_split([roles[i] for i in free], n_p,
+                       {j: load.get(i, 0.0) for j, i in enumerate(free)})
+  out = list(roles)
+  for i, r in zip(free, planned):
+    out[i] = r
   return tuple(out)
 
 

@@ -90,12 +90,17 @@ class PrefixShipper:
       exporters = [(self.pool.prefill_stubs[i], self.pool.prefill_targets[i])
                    for i in range(len(self.pool.prefill_targets))
                    if self.pool.health.is_healthy(self.pool.prefill_targets[i])]
-      rec.prefix_node = self.pool.prefix_importer_node(di)
-      target, link = self.pool.decode_targets[rec.prefix_node].transfer, "A->B"
+      importer = self.pool.prefix_importer_node(di)
+      if importer < 0:  # the node that prefills keeps no prefix cache (a slice)
+        return
+      rec.prefix_node = importer
+      target, link = self.pool.decode_targets[importer].transfer, "A->B"
     else:
+      # Only nodes that may hold a prefix cache export (a slice keeps none).
       order = [di] + [i for i in range(len(self.pool.decode_targets)) if i != di]
       exporters = [(self.pool.decode_stubs[i], self.pool.decode_targets[i].control) for i in order
-                   if self.pool.health.is_healthy(self.pool.decode_targets[i].control)]
+                   if self.pool.shapes[i].prefix_cache
+                   and self.pool.health.is_healthy(self.pool.decode_targets[i].control)]
       target, link = self.targets[pi], "B->A"
     rec.prefix_transfer = f"{src}->{route}"
     rec.lifecycle.advance(RequestPhase.PREFIX_SHIPPING)

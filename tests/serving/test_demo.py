@@ -72,6 +72,15 @@ def test_a_decode_slice_turns_defaults_that_do_not_fit_into_ones_that_do_and_say
   assert pools.prefill_pod == 1 and "a pod of one process" in pools.notes[0]
 
 
+def test_a_decode_slice_among_several_pd_nodes_is_node_0_and_says_so():
+  # Once refused (the slice had to be region B's only PD node); now node 0.
+  pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2, "pd_nodes": 3, "prefix_block": 0,
+                           "explicit": ("prefix_block",)})
+  assert pools.prefill_pod == 2
+  assert any("PD node 0" in n and "2 PD node(s) are single decode servers" in n
+             for n in pools.notes), pools.notes
+
+
 def test_without_a_slice_the_defaults_stay_as_they_are():
   pools = resolve_pools(**DEFAULTS)
   assert (pools.prefill_pod, pools.prefix_block, pools.tls, pools.notes) == (1, 64, True, ())
@@ -79,7 +88,6 @@ def test_without_a_slice_the_defaults_stay_as_they_are():
 
 @pytest.mark.parametrize("given, flag", [
     ({"prefix_block": 64, "explicit": ("prefix_block",)}, "--prefix_block"),
-    ({"pd_nodes": 2}, "--pd_nodes"),
     ({"decode_regions": 2}, "--decode_regions"),
     ({"fault": "drop_link"}, "--fault=drop_link"),
     ({"fault": "corrupt_state"}, "--fault=corrupt_state"),

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from paas_jax.proto import serving_pb2
-from paas_jax.serving import launch_args, pod, pod_supervisor
+from paas_jax.serving import launch_args, pd_roles, pod, pod_supervisor
 from paas_jax.serving.launch import ClusterSpec
 from paas_jax.serving.node_pool import DecodeTarget
 from paas_jax.serving.pod_prefill import PodJob
@@ -98,8 +98,27 @@ def test_the_launcher_starts_a_slice_only_where_it_fits():
       "paas_jax.serving.prefill_server")
   with pytest.raises(ValueError, match="prefill_faults"):
     launch_args.check_decode_slice(dataclasses.replace(one, prefill_faults="corrupt_chunks=3"))
-  with pytest.raises(ValueError, match="pd_nodes > 1"):
-    launch_args.check_decode_slice(ClusterSpec(prefill_pod=2, decode_slice=2, pd_nodes=2))
+  with pytest.raises(ValueError, match="decode_regions > 1"):
+    launch_args.check_decode_slice(ClusterSpec(prefill_pod=2, decode_slice=2, decode_regions=2))
+
+
+def test_a_slice_among_several_pd_nodes_is_node_0_and_the_others_single_processes():
+  spec = ClusterSpec(prefill_pod=2, decode_slice=2, pd_nodes=3)
+  launch_args.check_decode_slice(spec)
+  assert launch_args.pd_node_shapes(spec) == [pd_roles.SLICE, pd_roles.SINGLE, pd_roles.SINGLE]
+  modules = [launch_args.decode_args(spec, "127.0.0.1", None, node)[1] for node in range(3)]
+  assert modules == ["paas_jax.serving.slice_decode_server", "paas_jax.serving.decode_server",
+                     "paas_jax.serving.decode_server"]
+  # The single nodes take a decode server's flags, none of a slice's.
+  plain = launch_args.decode_args(spec, "127.0.0.1", None, 1)
+  assert not any(a.startswith("--slice_") for a in plain) and "--n_slots=8" in plain
+  # pd_prefill_nodes splits the nodes beside the slice and must leave a
+  # single-process PD-D node among them (the slice takes no PD-P state).
+  launch_args.check_decode_slice(dataclasses.replace(spec, pd_prefill_nodes=1))
+  with pytest.raises(ValueError, match="pd_prefill_nodes=2"):
+    launch_args.check_decode_slice(dataclasses.replace(spec, pd_prefill_nodes=2))
+  # Without a slice every node is a single process.
+  assert launch_args.pd_node_shapes(ClusterSpec(pd_nodes=2)) == [pd_roles.SINGLE] * 2
 
 
 def test_the_supervisor_gives_every_slice_process_its_own_flags():

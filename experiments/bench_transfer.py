@@ -56,9 +56,14 @@ flags.DEFINE_bool("planes", False, "Only the transport table (experiments/transf
                   "raw TCP plain/TLS, bare gRPC, the gRPC path and the TCP data plane with 1 "
                   "and --lanes connections, CPU s/GB per side, fixed cost per transfer.")
 flags.DEFINE_bool("fixed_cost", False, "Only the fixed cost per transfer (Begin to "
-                  "committed, the first model's state at 4 tokens): raw TCP round trip, gRPC "
+                  "committed, the first model's state at the first --tokens value; runs so "
+                  "far used --tokens=4): raw TCP round trip, gRPC "
                   "path, data plane with gRPC control and with control on the plane (1 and "
-                  "--lanes connections), --repeats rounds interleaved; mTLS rows with --tls.")
+                  "--lanes connections; where the library has BUNDLE frames also 1 "
+                  "connection without them), --repeats rounds interleaved; mTLS rows with "
+                  "--tls.")
+flags.DEFINE_integer("bundle_bytes", -1, "SenderOptions.bundle_bytes of the data-plane rows "
+                     "(--fixed_cost; -1: the library default; ignored by a tree without it).")
 flags.DEFINE_integer("lanes", 4, "Data-plane connections of the N-connection rows.")
 flags.DEFINE_bool("tls", True, "Also measure the TLS rows (--planes).")
 flags.DEFINE_bool("wan", False, "Only the emulated-WAN runs (experiments/wan_planes.py): the "
@@ -418,8 +423,10 @@ def main(argv):
     from paas_jax.models import load_config
     results["flags"].update(fixed_cost=True, lanes=FLAGS.lanes, tls=FLAGS.tls)
     name = models[0]
+    results["flags"].update(bundle_bytes=FLAGS.bundle_bytes)
     r = results["models"][name] = transfer_planes.run_fixed_cost(
-        load_config(name), lanes=FLAGS.lanes, repeats=FLAGS.repeats, tls=FLAGS.tls)
+        load_config(name), lanes=FLAGS.lanes, repeats=FLAGS.repeats, tls=FLAGS.tls,
+        tokens=tokens[0], bundle_bytes=None if FLAGS.bundle_bytes < 0 else FLAGS.bundle_bytes)
     results["machine"]["load_average_at_end"] = os.getloadavg()
     with open(FLAGS.json_out, "w") as f:
       json.dump(results, f, indent=2)

@@ -345,12 +345,17 @@ def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: boo
   return out
 
 
-def run_fixed_cost(config, *, lanes: int, repeats: int, tls: bool = False,
-                   progress=print) -> dict:
+def run_fixed_cost(config, *, lanes: int, repeats: int, tls: bool = False, tokens: int = 4,
+                   bundle_bytes: int | None = None, progress=print) -> dict:
   """Only the fixed-cost rows of ``run`` (Begin to committed, tiny state), for
   quick old-vs-new comparisons: one raw TCP round trip, then the gRPC path,
   the data plane with Begin/Commit on gRPC and carrying them itself (1 and
-  ``lanes`` connections), rounds interleaved; mTLS rows too with ``tls``."""
+  ``lanes`` connections), rounds interleaved; mTLS rows too with ``tls``.
+  ``tokens``: the state's length. Where the library has BUNDLE frames
+  (``SenderOptions.bundle_bytes``), the data-plane rows use
+  ``bundle_bytes`` (None: the library default) and a ``tcp_1_streamed`` row
+  (bundle_bytes=0: the per-frame path) runs beside them; an older tree runs
+  the other rows only, so the same command compares old and new."""
   from paas_jax.security import ca as ca_lib
   from paas_jax.security.tls import TLSConfig
   from paas_jax.transport import SenderOptions, StateSender
@@ -375,13 +380,21 @@ def run_fixed_cost(config, *, lanes: int, repeats: int, tls: bool = False,
       kinds = [("grpc_path_1", "grpc", 1, True)] if label == "plain" else []
       kinds += [("tcp_1_grpc_control", "tcp", 1, False), ("tcp_1", "tcp", 1, True),
                 (f"tcp_{lanes}", "tcp", lanes, True)]
+      bundles = "bundle_bytes" in SenderOptions.__dataclass_fields__
+      if bundles:
+        kinds.append(("tcp_1_streamed", "tcp", 1, True))
       for name, plane, n, control in kinds:
+        extra = {}
+        if bundles and name == "tcp_1_streamed":
+          extra["bundle_bytes"] = 0
+        elif bundles and bundle_bytes is not None:
+          extra["bundle_bytes"] = bundle_bytes
         sender = StateSender(f"127.0.0.1:{rx.port}", options=SenderOptions(
             plane=plane, num_streams=n, num_connections=n, lanes=n, credentials=creds,
-            data_ssl=client_ctx, plane_control=control))
+            data_ssl=client_ctx, plane_control=control, **extra))
         closers.append(sender.close)
         senders[name] = sender
-      out["fixed_cost"][label] = _fixed_costs(senders, config, repeats)
+      out["fixed_cost"][label] = _fixed_costs(senders, config, repeats, tokens)
       progress(f"{label} fixed cost done")
     finally:
       for close in closers:
@@ -396,13 +409,13 @@ def run_fixed_cost(config, *, lanes: int, repeats: int, tls: bool = False,
   return out
 
 
-def _fixed_costs(senders: dict, config, repeats: int) -> dict:
-  """Begin to committed for a tiny state (a few tokens) through each sender,
+def _fixed_costs(senders: dict, config, repeats: int, tokens: int = 4) -> dict:
+  """Begin to committed for a tiny state (``tokens`` tokens) through each sender,
   one transfer per sender per round (so that machine load hits all alike),
   median of ``repeats`` rounds after 3 warm-up rounds."""
   from paas_jax import codec
   from paas_jax.codec.testing import random_state
-  state = random_state(config, [4], capacity=4, seed=1)
+  state = random_state(config, [tokens], capacity=tokens, seed=1)
   groups = list(codec.encode_groups(state))
   nbytes = sum(len(b) for g in groups for b in g.blobs.values())
   times = {name: [] for name in senders}
@@ -412,7 +425,7 @@ def _fixed_costs(senders: dict, config, repeats: int) -> dict:
       t0 = time.perf_counter()
       result = _sender_send(sender, groups, model_id=config.name,
                             fingerprint=config.fingerprint(), num_layers=config.n_layers,
-                            tokens=4)
+                            tokens=tokens)
       if i >= 3:
         times[name].append(time.perf_counter() - t0)
     if i >= 3:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import grpc
 
+from paas_jax.codec import layout
 from paas_jax.codec.decode import (RestoreTemplate, ShardingsLike, restore_from_store,
                                    restore_indexed_group)
 from paas_jax.codec.manifest import GLOBAL_LAYER_INDEX, LayerEntry, StateManifest
@@ -238,6 +239,27 @@ def manifest_from_descriptors(text: str, t: "Inbound") -> StateManifest | None:
   # The same dicts as ``known``: from_dict's equality check is then trivial.
   known = {i: (raw, entries[i]) for i, (raw, _) in parsed.items()}
   return StateManifest.from_dict(head, known)
+
+
+def check_descriptor(t: "Inbound", entry: LayerEntry, layer_index: int,
+                     like_layers=None) -> None:
+  """A descriptor fits the transfer Begin announced (and the decode model's
+  layer kinds when there is a template; ``like_layers``: the template's
+  layers if the caller split it already, for many descriptors at once).
+  Raises TransferFailed."""
+  if entry.index != layer_index:
+    raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"descriptor of layer {entry.index} sent as layer {layer_index}")
+  if not GLOBAL_LAYER_INDEX <= entry.index < t.info.num_layers:
+    raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, f"layer {entry.index} outside the "
+                         f"{t.info.num_layers} layers announced by Begin")
+  if t.template is not None and entry.index != GLOBAL_LAYER_INDEX:
+    if like_layers is None:
+      like_layers, _ = layout.split_state(t.template[0])
+    want = layout.layer_kind(like_layers[entry.index])
+    if want != entry.kind:
+      raise TransferFailed(grpc.StatusCode.INVALID_ARGUMENT, f"layer {entry.index} is "
+                           f"{entry.kind} at the sender but {want} in the decode model")
 
 
 def location(layer: int, key: str) -> str:

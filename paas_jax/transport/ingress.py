@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 
 from paas_jax.codec.manifest import LayerEntry
 from paas_jax.proto import transport_pb2
+from paas_jax.transport.bundle_ingress import accept_bundle
 from paas_jax.transport.dataplane.interface import TransferRefused
 from paas_jax.transport.inbound import Inbound, TransferFailed, location
 
@@ -118,6 +119,14 @@ class FrameIngress:
       self._fail(t, e.code, e.message)
       raise TransferRefused(e.code, e.message) from None
     return None if reason is None else f"{location(layer, key)}: {reason}"
+
+  def plane_bundle(self, t: Inbound, label: str, crc: int, data, data_crc: int) -> str | None:
+    t.touch(time.monotonic())
+    try:
+      return accept_bundle(self, t, label, crc, data, data_crc)
+    except TransferFailed as e:
+      self._fail(t, e.code, e.message)
+      raise TransferRefused(e.code, e.message) from None
 
   def plane_begin(self, request: bytes, peer: str, repeated: bool = False) -> bytes:
     try:

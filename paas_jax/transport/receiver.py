@@ -43,7 +43,8 @@ from paas_jax.codec.store import crc32c
 from paas_jax.proto import transport_pb2, transport_pb2_grpc
 from paas_jax.transport.inbound import (Inbound, ReceivedState, ReceiverOptions, RpcRefused,
                                         SenderClock, TemplateFn, TransferFailed, TransferInfo,
-                                        location, manifest_from_descriptors, restore_layer)
+                                        check_descriptor, location, manifest_from_descriptors,
+                                        restore_layer)
 from paas_jax.transport.ingress import FrameIngress
 from paas_jax.transport.timeline import ReceiveTimeline
 
@@ -301,18 +302,7 @@ class StateReceiver(FrameIngress, transport_pb2_grpc.StateTransferServicer):
   def _adopt_descriptor(self, t: Inbound, entry: LayerEntry, raw: tuple[dict, str] | None,
                         layer_index: int) -> None:
     """``raw``: the descriptor's (parsed JSON, text); None: a group of Commit's manifest."""
-    if entry.index != layer_index:
-      raise TransferFailed(Code.INVALID_ARGUMENT,
-                    f"descriptor of layer {entry.index} sent as layer {layer_index}")
-    if not GLOBAL_LAYER_INDEX <= entry.index < t.info.num_layers:
-      raise TransferFailed(Code.INVALID_ARGUMENT, f"layer {entry.index} outside the "
-                                           f"{t.info.num_layers} layers announced by Begin")
-    if t.template is not None and entry.index != GLOBAL_LAYER_INDEX:
-      like_layers, _ = layout.split_state(t.template[0])
-      want = layout.layer_kind(like_layers[entry.index])
-      if want != entry.kind:
-        raise TransferFailed(Code.INVALID_ARGUMENT, f"layer {entry.index} is {entry.kind} at the "
-                                             f"sender but {want} in the decode model")
+    check_descriptor(t, entry, layer_index)
     with t.lock:
       old = t.descriptors.get(entry.index)
       if old is entry or old == entry:

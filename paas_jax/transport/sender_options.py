@@ -52,6 +52,11 @@ class SenderOptions:
       connections (BEGIN / COMMIT frames) once the receiver announced
       ``data_plane_control`` and a connection to it is warm; False: always
       over gRPC. Abort is always gRPC.
+    bundle_bytes: with plane="tcp", a state whose frames add up to at most
+      this many bytes (descriptors and objects) is held until ``finish`` and
+      sent as one BUNDLE frame (``transport.bundler``): a tiny state's fixed
+      cost is mostly per frame. Larger states stream as before. 0: never
+      (a receiver older than the BUNDLE frame refuses it).
   """
 
   num_streams: int = 4
@@ -70,6 +75,7 @@ class SenderOptions:
   data_ssl: ssl.SSLContext | None = None
   tuning: Tuning = Tuning()
   plane_control: bool = True
+  bundle_bytes: int = 1 << 20
 
   def __post_init__(self):
     if self.plane not in PLANES:
@@ -83,6 +89,8 @@ class SenderOptions:
       raise ValueError("SenderOptions: num_streams and num_connections must be >= 1")
     if self.max_inflight_bytes < 1:
       raise ValueError("SenderOptions.max_inflight_bytes must be >= 1")
+    if self.bundle_bytes < 0:
+      raise ValueError("SenderOptions.bundle_bytes must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -128,13 +128,15 @@ class TimelineRecorder:
                                                 chunks=chunks)
       self._state_bytes += nbytes
 
-  def frame_sent(self, layer_index: int, nbytes: int, is_chunk: bool, resend: bool) -> None:
+  def frame_sent(self, layer_index: int, nbytes: int, is_chunk: bool, resend: bool,
+                 chunks: int = 1) -> None:
+    """``chunks``: objects in ``nbytes`` (a layer's share of a BUNDLE frame)."""
     now = time.time()
     with self._lock:
       if is_chunk:
         self._bytes_sent += nbytes
-        self._chunks_sent += 1
-        self._resent += int(resend)
+        self._chunks_sent += chunks
+        self._resent += chunks if resend else 0
         if self._first_byte is None:
           self._first_byte = now
         self._last_byte = now

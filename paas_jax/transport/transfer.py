@@ -22,6 +22,7 @@ from paas_jax.codec.manifest import GLOBAL_LAYER_INDEX, ChunkEntry, LayerEntry, 
 from paas_jax.codec.options import CodecOptions
 from paas_jax.proto import transport_pb2
 from paas_jax.transport import channels
+from paas_jax.transport.bundler import Bundler, LaneCallbacks
 from paas_jax.transport.dataplane import frames as plane_frames
 from paas_jax.transport.dataplane.lanes import LanePool
 from paas_jax.transport.dataplane.streams import LaneStream, Outgoing
@@ -35,7 +36,7 @@ Code = grpc.StatusCode
 _FINISH = object()
 
 
-class Transfer(PushStreams):
+class Transfer(LaneCallbacks, PushStreams):
   """One state on its way to a decode process. Create with ``StateSender.begin``.
 
   Use as a context manager: leaving the block with an exception (e.g. the
@@ -78,6 +79,10 @@ class Transfer(PushStreams):
     self._link = sender.counters.begin(transfer_id, num_layers)
     self._pool = pool
     self._stream: LaneStream | None = None
+    # Small states go as one BUNDLE frame (bundler.py); the payload must also
+    # fit the receiver's frame limit.
+    self._bundler = Bundler(min(self._options.bundle_bytes,
+                                max_frame_bytes - channels.FRAME_OVERHEAD_BYTES))
     # Begin and Commit ride the data connections (Begin already did when set).
     self._plane_control = begin_request is not None
     self._begin_frame: Outgoing | None = None
@@ -163,6 +168,10 @@ class Transfer(PushStreams):
       self._check()
       if self._stream is None:
         self._frames.close()
+      else:
+        bundle = self._bundler.take()  # a small state: all of it in one frame
+        if bundle is not None:
+          self._stream.put(bundle)
       if self._plane_control:
         # The manifest is built while the frames are in flight, and COMMIT
         # leaves from the lane that reads the last acknowledgement: no
@@ -360,11 +369,9 @@ class Transfer(PushStreams):
     layer_json = entry.to_json()
     self._entry_json[entry.index] = (entry, layer_json)
     if self._stream is not None:
-      self._stream.put_many([Outgoing(plane_frames.DESCRIPTOR, entry.index, "", 0,
-                                      layer_json.encode(), is_chunk=False)]
-                            + [Outgoing(plane_frames.CHUNK, entry.index, chunk.key,
-                                        chunk.crc32c, group.blobs[chunk.key], is_chunk=True)
-                               for _, chunk in entry.chunks()])
+      items = self._bundler.hold(group, layer_json)
+      if items is not None:  # else held for the BUNDLE that finish sends
+        self._stream.put_many(items)
       return
     descriptor = transport_pb2.Frame(layer=transport_pb2.LayerDescriptor(
         transfer_id=self.transfer_id, layer_index=entry.index, layer_json=layer_json))
@@ -377,30 +384,6 @@ class Transfer(PushStreams):
     return self._stream.peak_bytes if self._stream is not None else self._frames.peak_bytes
 
   # -- data plane --------------------------------------------------------------------
-
-  def _begin_reply(self) -> None:
-    """The pipelined BEGIN's RESULT (long there once the frames are drained)."""
-    body = self._stream.reply(self._begin_frame, timeout_s=self._options.rpc_timeout_s)
-    response = transport_pb2.BeginResponse.FromString(body)
-    if response.max_frame_bytes:
-      self._pool.announced_max_frame_bytes = int(response.max_frame_bytes)
-
-  def _open_lane_stream(self) -> LaneStream:
-    return LaneStream(self._pool, self.transfer_id, lanes=self._options.lanes,
-                      max_queued_bytes=self._options.max_inflight_bytes,
-                      deadline=self._deadline, on_sent=self._plane_sent,
-                      on_error=self._plane_error)
-
-  def _plane_sent(self, item: Outgoing) -> None:
-    nbytes = item.nbytes if item.is_chunk else 0
-    self._recorder.frame_sent(item.layer, nbytes, item.is_chunk, item.resend)
-    if nbytes:
-      self._link.sent_bytes(nbytes)
-
-  def _plane_error(self, err: TransferError) -> None:
-    if self._error is None and not self._done:
-      # Not inline: this runs on a lane thread, which must not block on the Abort RPC.
-      threading.Thread(target=self._abort, args=(err,), daemon=True).start()
 
   def _wait_streams(self) -> None:
     if self._stream is not None:

@@ -16,6 +16,10 @@ from paas_jax.transport import ReceiverOptions, StateReceiver, serve_receiver
 
 N = 50  # tokens of the test state
 SMALL_CHUNKS = codec.CodecOptions(chunk_bytes=4096)
+# SenderOptions of the per-frame path (DESCRIPTOR + CHUNK frames), which states
+# above SenderOptions.bundle_bytes take: the test state (~33 KB) would
+# otherwise go as one BUNDLE frame, and these tests are about single frames.
+STREAMED = {"bundle_bytes": 0}
 
 
 class CountRpcs(grpc.ServerInterceptor):

@@ -19,7 +19,8 @@ from paas_jax.transport import (SenderOptions, StateReceiver, StateSender, Trans
                                 serve_receiver)
 from paas_jax.transport.dataplane import frames, tls as dp_tls
 from paas_jax.transport.dataplane.tuning import Tuning
-from tests.transport.dataplane_rig import N, SMALL_CHUNKS, assert_clean, receivers, send
+from tests.transport.dataplane_rig import (N, SMALL_CHUNKS, STREAMED, assert_clean, receivers,
+                                          send)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_tls_round_trip_and_wrong_peers_refused(config, state, make_rx, pki):
 
 def test_killed_connection_frames_resent_on_the_others(config, state, make_rx):
   rx = make_rx()
-  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=3)) as sender:
+  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=3, **STREAMED)) as sender:
     killed = []
     seen = []
 
@@ -141,7 +142,7 @@ def test_killed_connection_frames_resent_on_the_others(config, state, make_rx):
 
 def test_corrupted_frame_named_and_resent(config, state, make_rx):
   rx = make_rx()
-  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=2)) as sender:
+  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=2, **STREAMED)) as sender:
     corrupted = []
 
     def corrupt_once(lane, item, payload):
@@ -197,7 +198,7 @@ def test_receiver_that_stops_reading_bounds_sender_memory(config, state, make_rx
     return original(*args)
 
   rx.receiver.plane_chunk = stuck
-  options = SenderOptions(plane="tcp", lanes=2, window_bytes=16 << 10,
+  options = SenderOptions(plane="tcp", lanes=2, window_bytes=16 << 10, **STREAMED,
                           max_inflight_bytes=32 << 10, rpc_timeout_s=30,
                           tuning=Tuning(stall_timeout_s=0.5, rate_bytes_per_s=1e6,
                                         rtt_s=1e-3))

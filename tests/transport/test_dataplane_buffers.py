@@ -19,6 +19,7 @@ from paas_jax.state import abstract_state
 from paas_jax.transport import (ReceiverOptions, SenderOptions, StateReceiver, StateSender,
                                 TransferError, serve_receiver)
 from paas_jax.transport.dataplane import buffers, frames
+from tests.transport.dataplane_rig import STREAMED
 
 TOKENS = 4000
 CAPACITY = 4096
@@ -109,16 +110,21 @@ def _send(sender, config, state, options):
                            codec=options)
 
 
+@pytest.mark.parametrize("streamed", [True, False], ids=["frames", "bundle"])
 @pytest.mark.parametrize("options", [BIG_CHUNKS,
                                      codec.CodecOptions(chunk_bytes=1 << 20, compression="zstd")],
                          ids=["raw", "zstd"])
-def test_large_objects_restore_exactly(config, state, rx, options):
-  """Objects past LARGE_PAYLOAD_BYTES land in the uninitialised buffers; zstd
-  sends them through TensorStore, which takes bytes (store._ts_value)."""
-  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=2)) as sender:
+def test_large_objects_restore_exactly(config, state, rx, options, streamed):
+  """Objects past LARGE_PAYLOAD_BYTES land in the uninitialised buffers (one
+  per object, or one per BUNDLE whose objects are views of it); zstd sends
+  them through TensorStore, which takes bytes (store._ts_value)."""
+  kw = STREAMED if streamed else {"bundle_bytes": 6 << 20}  # this state: ~1 MB
+  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=2, **kw)) as sender:
     result = _send(sender, config, state, options)
   sizes = [c.nbytes for g in result.manifest.groups for _, c in g.chunks()]
   assert max(sizes) > buffers.CRC_PIECE_BYTES
+  # The bundle variant really was one frame (the per-frame path: one per object).
+  assert (rx.data_plane.frames_total == 1) != streamed
   received = rx.receiver.ready.get(timeout=30)
   assert_states_match(state, received.state, TOKENS)
   received.release()
@@ -140,7 +146,8 @@ def test_damage_in_a_later_piece_is_caught_and_resent(config, state, rx):
       return payload
     return hook
 
-  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=1)) as sender:
+  # The per-frame path (this state is small enough to go as one BUNDLE otherwise).
+  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=1, **STREAMED)) as sender:
     _send(sender, config, state, BIG_CHUNKS)  # opens the connection to hook
     rx.receiver.ready.get(timeout=30).release()
     for pool in sender.data_planes:

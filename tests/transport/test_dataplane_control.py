@@ -22,7 +22,8 @@ from paas_jax.transport.dataplane import frames
 from paas_jax.transport.dataplane.lanes import LanePool
 from paas_jax.transport.dataplane.streams import LaneStream, Outgoing
 from paas_jax.transport.dataplane.tuning import Tuning
-from tests.transport.dataplane_rig import N, SMALL_CHUNKS, assert_clean, receivers, send
+from tests.transport.dataplane_rig import (N, SMALL_CHUNKS, STREAMED, assert_clean, receivers,
+                                          send)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def make_rx(config):
 
 def test_begin_and_commit_ride_warm_connections(config, state, make_rx):
   rx = make_rx()
-  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=2)) as sender:
+  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=2, **STREAMED)) as sender:
     send(sender, config, state, codec=SMALL_CHUNKS)  # cold: gRPC Begin learns the plane
     assert rx.receiver.ready.get(timeout=10) is not None
     assert rx.rpcs["Begin"] == 1
@@ -230,7 +231,7 @@ def _warm_send(rx, config, state, monkeypatch, *, lanes, wrap_begin, write_hook)
   """A warm transfer over ``lanes`` connections (after a cold one that learns
   the plane), the receiver's Begin replaced by ``wrap_begin(real_begin)`` and
   ``write_hook`` on every connection. Returns the TransferError, or None."""
-  sender = StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=lanes))
+  sender = StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=lanes, **STREAMED))
   send(sender, config, state, codec=SMALL_CHUNKS)  # cold: gRPC Begin learns the plane
   rx.receiver.ready.get(timeout=10)
   real_begin = rx.receiver._begin

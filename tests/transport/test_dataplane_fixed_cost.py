@@ -17,7 +17,8 @@ from paas_jax.models import load_config
 from paas_jax.transport import SenderOptions, StateSender
 from paas_jax.transport.dataplane import frames, framein
 from paas_jax.transport.dataplane.streams import LaneStream
-from tests.transport.dataplane_rig import N, SMALL_CHUNKS, assert_clean, receivers, send
+from tests.transport.dataplane_rig import (N, SMALL_CHUNKS, STREAMED, assert_clean, receivers,
+                                          send)
 
 
 def _frame(seq: int, key: bytes, payload: bytes) -> bytes:
@@ -154,7 +155,8 @@ def _warm_commit_run(config, state, release_early=False, monkeypatch=None):
         return memoryview(bad)
       return payload
 
-    with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=1)) as sender:
+    with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=1,
+                                                      **STREAMED)) as sender:
       send(sender, config, state, codec=SMALL_CHUNKS)  # cold: gRPC Begin learns the plane
       rx.receiver.ready.get(timeout=10)
       commits.clear()

@@ -3,7 +3,7 @@
 Sender -> receiver, one frame::
 
   FRAME header (40 bytes, little endian)
-    magic  b"PJDP"    version u8   kind u8 (CHUNK | DESCRIPTOR | BEGIN | COMMIT)
+    magic  b"PJDP"    version u8   kind u8 (CHUNK | DESCRIPTOR | BEGIN | COMMIT | BUNDLE)
     tid_len u16
     seq    u32        (per connection; echoed by the reply)
     layer  i32        (-1: state-level arrays)
@@ -17,6 +17,10 @@ serialized ``BeginRequest`` / ``CommitRequest`` of the gRPC control protocol
 (crc32c of the payload in the header), so that a sender holding long-lived
 connections opens and commits a transfer without a gRPC round trip; only a
 receiver that announced ``BeginResponse.data_plane_control`` accepts them.
+A BUNDLE carries several groups at once, descriptors and objects (a small
+state in one frame; payload layout in ``bundle.py``, crc32c of the payload in
+the header, key: what it holds, for messages); it is acknowledged, NACKed and
+resent as one frame.
 Receiver -> sender, in frame order::
 
   REPLY header (16 bytes): magic b"PJDR" | seq u32 | code u16 | kind u8 | pad u8 |
@@ -50,7 +54,8 @@ CHUNK = 1
 DESCRIPTOR = 2
 BEGIN = 3
 COMMIT = 4
-KINDS = (CHUNK, DESCRIPTOR, BEGIN, COMMIT)
+BUNDLE = 5  # receivers before it refuse the kind (INVALID_ARGUMENT): SenderOptions.bundle_bytes=0
+KINDS = (CHUNK, DESCRIPTOR, BEGIN, COMMIT, BUNDLE)
 CONTROL_KINDS = (BEGIN, COMMIT)
 
 ACK = 1

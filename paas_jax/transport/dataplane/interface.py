@@ -48,6 +48,14 @@ class FrameSink(Protocol):
     rejected (the sender resends it), or None when it is kept. Raises
     TransferRefused when the transfer fails."""
 
+  def plane_bundle(self, handle: Any, label: str, crc32c: int, data,
+                   data_crc32c: int) -> str | None:
+    """A BUNDLE arrived: several groups' descriptors and objects in ``data``
+    (layout: ``dataplane.bundle``; the buffer is now owned by the sink, which
+    keeps views of it); ``label`` names it in messages. Verified and adopted
+    as a whole: returns why it was rejected (the sender resends it), or None
+    when it is kept. Raises TransferRefused when the transfer fails."""
+
   def plane_begin(self, request: bytes, peer: str, repeated: bool = False) -> bytes:
     """A serialized ``BeginRequest`` arrived (BEGIN frame); returns the
     serialized ``BeginResponse``. ``repeated``: the sender sent this BEGIN

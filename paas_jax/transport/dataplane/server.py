@@ -5,7 +5,10 @@ in order: stored frames with one cumulative ACKS per run (sent when the
 input runs dry or every ``frames.ACK_EVERY_*``), a rejected one with NACK and
 the reason, a failed transfer with ERROR and its gRPC status code. BEGIN and
 COMMIT frames (when ``control``) run the receiver's Begin / Commit and are
-answered with the serialized response (RESULT).
+answered with the serialized response (RESULT). A BUNDLE (a small state's
+descriptors and objects in one frame) is read into one buffer, its crc32c
+computed as it arrives, and handed to the sink in one call
+(``plane_bundle``), which verifies and adopts it whole.
 A chunk's payload is read with ``recv_into`` straight into the buffer that
 the decode side keeps (no copy between the socket and the restore), and its
 crc32c is computed as it arrives (``buffers``). The
@@ -222,7 +225,9 @@ class DataPlaneServer:
         else:
           data = buffers.payload_buffer(length)
           arrived_crc = stream.read_payload(memoryview(data))
-          reason = sink.plane_chunk(handle, layer, key, crc, data, arrived_crc)
+          reason = (sink.plane_chunk(handle, layer, key, crc, data, arrived_crc)
+                    if kind == frames.CHUNK
+                    else sink.plane_bundle(handle, key, crc, data, arrived_crc))
       except TransferRefused as e:
         acks.flush()
         self._reply(sock, frames.pack_reply(seq, frames.ERROR, e.code, e.message))

@@ -11,7 +11,6 @@ import grpc
 import pytest
 
 from paas_jax.codec.testing import assert_states_match, random_state
-from paas_jax.models import load_config
 from paas_jax.security import ca as ca_lib
 from paas_jax.security.tls import TLSConfig
 from paas_jax.state import abstract_state
@@ -21,16 +20,6 @@ from paas_jax.transport.dataplane import frames, tls as dp_tls
 from paas_jax.transport.dataplane.tuning import Tuning
 from tests.transport.dataplane_rig import (N, SMALL_CHUNKS, STREAMED, assert_clean, receivers,
                                           send)
-
-
-@pytest.fixture(scope="module")
-def config():
-  return load_config("tiny_gdn_gqa")
-
-
-@pytest.fixture(scope="module")
-def state(config):
-  return random_state(config, [N], capacity=64, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import pytest
 from paas_jax import codec
 from paas_jax.codec.store import crc32c
 from paas_jax.codec.testing import assert_states_match, random_state
-from paas_jax.models import load_config
 from paas_jax.state import abstract_state
 from paas_jax.transport import (ReceiverOptions, SenderOptions, StateReceiver, StateSender,
                                 TransferError, serve_receiver)
@@ -83,11 +82,6 @@ def test_retain_freed_memory_is_idempotent():
     libc = ""
   if libc.startswith("glibc"):
     assert first
-
-
-@pytest.fixture(scope="module")
-def config():
-  return load_config("tiny_gdn_gqa")
 
 
 @pytest.fixture(scope="module")

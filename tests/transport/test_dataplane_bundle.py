@@ -11,8 +11,7 @@ import pytest
 
 from paas_jax import codec
 from paas_jax.codec.store import crc32c
-from paas_jax.codec.testing import assert_states_match, random_state
-from paas_jax.models import load_config
+from paas_jax.codec.testing import assert_states_match
 from paas_jax.proto import transport_pb2
 from paas_jax.security import ca as ca_lib
 from paas_jax.security.tls import TLSConfig
@@ -21,16 +20,6 @@ from paas_jax.transport import (ReceiverOptions, SenderOptions, StateReceiver, S
 from paas_jax.transport.bundler import Bundler
 from paas_jax.transport.dataplane import bundle as bundle_lib, frames, tls as dp_tls
 from tests.transport.dataplane_rig import N, assert_clean, receivers, send
-
-
-@pytest.fixture(scope="module")
-def config():
-  return load_config("tiny_gdn_gqa")
-
-
-@pytest.fixture(scope="module")
-def state(config):
-  return random_state(config, [N], capacity=64, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,7 @@ import pytest
 
 from paas_jax.codec.manifest import StateManifest
 from paas_jax.codec.store import crc32c
-from paas_jax.codec.testing import assert_states_match, random_state
-from paas_jax.models import load_config
+from paas_jax.codec.testing import assert_states_match
 from paas_jax.proto import transport_pb2
 from paas_jax.transport import transfer as transfer_mod
 from paas_jax.transport import SenderOptions, StateSender, TransferError
@@ -24,16 +23,6 @@ from paas_jax.transport.dataplane.streams import LaneStream, Outgoing
 from paas_jax.transport.dataplane.tuning import Tuning
 from tests.transport.dataplane_rig import (N, SMALL_CHUNKS, STREAMED, assert_clean, receivers,
                                           send)
-
-
-@pytest.fixture(scope="module")
-def config():
-  return load_config("tiny_gdn_gqa")
-
-
-@pytest.fixture(scope="module")
-def state(config):
-  return random_state(config, [N], capacity=64, seed=3)
 
 
 @pytest.fixture

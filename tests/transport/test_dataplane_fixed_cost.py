@@ -12,8 +12,7 @@ import threading
 import pytest
 
 from paas_jax.codec.store import crc32c
-from paas_jax.codec.testing import assert_states_match, random_state
-from paas_jax.models import load_config
+from paas_jax.codec.testing import assert_states_match
 from paas_jax.transport import SenderOptions, StateSender
 from paas_jax.transport.dataplane import frames, framein
 from paas_jax.transport.dataplane.streams import LaneStream
@@ -104,16 +103,6 @@ def test_read_ahead_crc_covers_the_buffered_head_of_a_large_payload():
   assert bytes(data) == bytes(payload)
   assert arrived == crc32c(payload) != crc
   assert crc32c(memoryview(data)[head:]) != arrived
-
-
-@pytest.fixture(scope="module")
-def config():
-  return load_config("tiny_gdn_gqa")
-
-
-@pytest.fixture(scope="module")
-def state(config):
-  return random_state(config, [N], capacity=64, seed=3)
 
 
 def _warm_commit_run(config, state, release_early=False, monkeypatch=None):

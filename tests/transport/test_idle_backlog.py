@@ -18,7 +18,6 @@ import grpc
 import pytest
 
 from paas_jax.codec.testing import random_state
-from paas_jax.models import load_config
 from paas_jax.netem.link import Link, LinkSpec
 from paas_jax.netem.relay import Relay, Route
 from paas_jax.proto import transport_pb2, transport_pb2_grpc
@@ -28,11 +27,6 @@ from paas_jax.transport import (ReceiverOptions, SenderOptions, StateReceiver, S
 RATE = 4e6          # bytes/s on the emulated link
 BIG_TOKENS = 65536  # ~16.8 MB of tiny_gdn_gqa state: longer on the link than the buffers
 IDLE_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def config():
-  return load_config("tiny_gdn_gqa")
 
 
 @pytest.fixture

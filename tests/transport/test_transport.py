@@ -30,11 +30,6 @@ N = 50
 
 
 @pytest.fixture(scope="module")
-def config():
-  return load_config("tiny_gdn_gqa")
-
-
-@pytest.fixture(scope="module")
 def state(config):
   return random_state(config, [N], capacity=64, seed=1)
 

@@ -63,12 +63,11 @@ def resolve_pools(*, decode_slice: int, decode_slice_devices: int, prefill_pod: 
       notes.append(f"{where} takes its parts from a prefill pod: region A runs as one "
                    "(--prefill_pod=2)")
   if prefix_block > 0:
-    if "prefix_block" in explicit:
-      raise app.UsageError(f"{where} keeps no prefix cache: pass --prefix_block=0, "
-                           f"not --prefix_block={prefix_block}")
-    notes.append(f"{where} keeps no prefix cache: both regions run without one "
-                 f"(--prefix_block=0 instead of the default {prefix_block})")
-    prefix_block = 0
+    # Each slice process keeps its shards of the cached prefixes (slice_prefix);
+    # region A's pod keeps none, and the slice's is neither probed nor shipped.
+    notes.append(f"{where} keeps a prefix cache (--prefix_block={prefix_block}) for its own "
+                 "local prefills only; region A's pod keeps none and no prefix is shipped "
+                 "to or from the slice")
   if pd_nodes > 1:  # PD node 0 is the slice, the others single decode servers
     notes.append(f"{where} is PD node 0 (\"decode\", role both); the other "
                  f"{pd_nodes - 1} PD node(s) are single decode servers")

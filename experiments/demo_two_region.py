@@ -110,8 +110,9 @@ flags.DEFINE_integer("prefill_pod", 1, "Region A as a pod of this many processes
 flags.DEFINE_integer("decode_slice", 1, "Region B's PD node 0 as a decode slice of this many "
                      "processes (TP over all; serving/slice_decode_server.py); with --pd_nodes "
                      "> 1 the others are single decode servers. Needs a "
-                     "prefill pod and no prefix cache: left at their defaults, --prefill_pod "
-                     "becomes 2 and --prefix_block 0 (printed); conflicting flags are refused.")
+                     "prefill pod: left at its default, --prefill_pod becomes 2 (printed); "
+                     "--prefix_block gives the slice a prefix cache for its own local "
+                     "prefills; conflicting flags are refused.")
 flags.DEFINE_integer("decode_slice_devices", 1, "Devices per decode slice process.")
 flags.DEFINE_bool("tls", True, "Mutual TLS between broker and regions and TLS + a bearer "
                   "token at the broker (a local CA and token in <workdir>/certs); --notls "

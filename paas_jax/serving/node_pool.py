@@ -306,7 +306,8 @@ class NodePool:
     """The PD node whose PD-P prefix cache should get a prefix from region A:
     the decode node when it prefills colocated, else the PD-P node a pdp
     request would pick now (the least loaded healthy one). -1: the node
-    that would prefill keeps no prefix cache (a decode slice)."""
+    that would prefill takes no shipped prefix (a decode slice: its own prefix
+    cache serves only its local prefills)."""
     with self._lock:
       if self._colocated_locked(di):
         return di if self.shapes[di].prefix_cache else -1

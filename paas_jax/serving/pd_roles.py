@@ -19,8 +19,10 @@ serve whatever its role, fixed for its lifetime. A single decode process
 (``SINGLE``) can hold any role. A decode slice of several processes
 (``SLICE``, ``slice_decode_server``) takes a prefill pod's per-process parts
 but never a whole state from another PD node, serves no Prefill to other
-nodes, keeps no commit points and no prefix cache: its role is ``both``
-(it prefills its own local requests and decodes), always. Whether a PD-P
+nodes, keeps no commit points and no prefix cache the broker may probe or
+ship to or from (its own prefix cache, with --prefix_block, serves only its
+local prefills: ``slice_prefix``): its role is ``both`` (it prefills its own
+local requests and decodes), always. Whether a PD-P
 node may stream a state to a PD-D node is ``can_hand_off`` of their shapes;
 roles are checked against shapes (``check_roles``) and the default split and
 the rebalancer's moves place only the nodes whose role may change.
@@ -58,8 +60,9 @@ class NodeShape:
   roles: the roles it may hold; whole_state_in: takes a whole state another
   PD node (PD-P) streams to its StateTransfer port; prefills_for_others:
   serves Prefill for another PD node; commit_points: resumes an attempt from
-  them (``resume_from``); prefix_cache: may hold one (ExportPrefix target
-  and source).
+  them (``resume_from``); prefix_cache: holds one the broker probes and
+  ships prefixes to and from (ExportPrefix target and source; a slice's own
+  local prefix cache is not one).
   """
 
   name: str

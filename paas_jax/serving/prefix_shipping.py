@@ -91,12 +91,12 @@ class PrefixShipper:
                    for i in range(len(self.pool.prefill_targets))
                    if self.pool.health.is_healthy(self.pool.prefill_targets[i])]
       importer = self.pool.prefix_importer_node(di)
-      if importer < 0:  # the node that prefills keeps no prefix cache (a slice)
+      if importer < 0:  # the node that prefills takes no shipped prefix (a slice)
         return
       rec.prefix_node = importer
       target, link = self.pool.decode_targets[importer].transfer, "A->B"
     else:
-      # Only nodes that may hold a prefix cache export (a slice keeps none).
+      # Only nodes whose shape ships prefixes export (a slice's cache is its own).
       order = [di] + [i for i in range(len(self.pool.decode_targets)) if i != di]
       exporters = [(self.pool.decode_stubs[i], self.pool.decode_targets[i].control) for i in order
                    if self.pool.shapes[i].prefix_cache

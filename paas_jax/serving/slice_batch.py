@@ -18,7 +18,9 @@ store, one ``SliceRound`` at a time; every process, process 0 too, runs it
        the sharded state (DATA_LOSS on a mismatch, before any token past the
        first);
      local (the slice prefills the prompt itself): the sharded prefill and the
-       first token sampled as the single-process engine samples it;
+       first token sampled as the single-process engine samples it; with a
+       prefix cache (``slice_prefix``) the prefill continues from the longest
+       cached prefix, once every process agreed on it;
      then the row's state, grown to the batch's capacity, is written into the
      batch (which first widens if the row is above its width, or grows if the
      request needs more positions; it narrows again when its top rows free);
@@ -56,6 +58,7 @@ from paas_jax.serving import lockstep, pod, pod_transfer
 from paas_jax.serving.batch_rows import sample_rows
 from paas_jax.serving.slice_decode import (SliceJob, SliceParts, SliceReceiveError,
                                            decode_capacity)
+from paas_jax.serving.slice_prefix import SlicePrefix
 from paas_jax.serving.token_logprob_ops import rows_logprobs
 from paas_jax.serving.validation import RequestParams
 from paas_jax.state import abstract_state, init_state, logit_probe
@@ -199,10 +202,12 @@ class SliceBatch:
     take_timeout_s: how long an admission waits for parts every process
       announced (a fallback: they are in when the round is published).
     kv: the region's key-value store (None: a single-process slice).
+    prefix: this process's prefix cache for local prefills (None: none).
   """
 
   def __init__(self, model, mesh, region: pod.RegionSpec, parts: SliceParts, *,
-               slots: int = 4, take_timeout_s: float = 30.0, kv=None):
+               slots: int = 4, take_timeout_s: float = 30.0, kv=None,
+               prefix: SlicePrefix | None = None):
     if slots < 1:
       raise ValueError(f"a slice batch needs at least one slot, got {slots}")
     self.model = model
@@ -212,6 +217,7 @@ class SliceBatch:
     self.parts = parts
     self.take_timeout_s = take_timeout_s
     self.kv = kv
+    self.prefix = prefix
     self.barrier = pod.Barrier(region)
     self.placement = pod.state_placement(self.config, MeshSpec.from_mesh(mesh))
     self.whole = NamedSharding(mesh, PartitionSpec())
@@ -237,9 +243,10 @@ class SliceBatch:
     admissions; ``finished``: request -> {tokens, reason}; ``wire_bytes``:
     request -> state bytes this process received; ``steps``; ``row_steps``
     (rows advanced, summed over the steps); ``max_rows`` (rows after the
-    admissions)."""
+    admissions); ``prefix``: request -> prompt tokens a local prefill took
+    from the prefix cache."""
     report = {"process": self.region.process_id, "ok": True, "failed": {}, "finished": {},
-              "wire_bytes": {}, "steps": 0, "row_steps": 0, "max_rows": 0}
+              "wire_bytes": {}, "steps": 0, "row_steps": 0, "max_rows": 0, "prefix": {}}
     for rid in rnd.drop:
       self.parts.drop(rid)
     for rid in rnd.evict:
@@ -295,11 +302,17 @@ class SliceBatch:
       emit(rid, "slot", {"queue_s": 0.0, "restore_s": time.perf_counter() - t0})
       tokens = [job.first_token]
     else:
-      logits, state = pod.region_prefill_logits(self.model, self.mesh, job.prompt,
-                                                self.barrier, capacity)
+      cached = 0
+      if self.prefix is None:
+        logits, state = pod.region_prefill_logits(self.model, self.mesh, job.prompt,
+                                                  self.barrier, capacity)
+      else:
+        logits, state, cached = self.prefix.prefill(self.model, job.prompt, capacity,
+                                                    self.barrier, self._agree(number, slot))
+        report["prefix"][rid] = cached
       host = jnp.asarray(logits[None])
       tokens = [int(sample_rows(host, [params], [job.prompt_len])[0])]
-      emit(rid, "slot", {"prefill_s": time.perf_counter() - t0})
+      emit(rid, "slot", {"prefill_s": time.perf_counter() - t0, "cached_tokens": cached})
       emit(rid, "token", tokens[0], self._logprobs(host, tokens, [params])[0])
     reason = finish_reason(tokens, params)
     if reason is not None:
@@ -308,6 +321,14 @@ class SliceBatch:
       return
     self._place(slot, state, capacity)
     self.rows[slot] = _Row(job, params, tokens)
+
+  def _agree(self, number: int, slot: int):
+    """How the processes agree on a local prefill's cached prefix (None alone)."""
+    pid, n = self.region.process_id, self.region.num_processes
+    if n == 1:
+      return None
+    key = f"{lockstep.job_key(ROUNDS, number)}/prefix/{slot}"
+    return lambda mine: lockstep.agree(self.kv, key, pid, n, self.region.timeout_s, mine)
 
   def _place(self, slot: int, one, capacity: int) -> None:
     """Writes the batch-1 ``one`` into row ``slot``, widening or growing the

@@ -22,9 +22,12 @@ Process 0 serves the ``Decode`` service to the broker: GetModel announces the
 slice (``ServedModel.slice``: its processes' transfer addresses and devices)
 so that the broker asks the pod for per-process parts; Decode, Handoff,
 GetLoad, GetStats and the health service work as on a single-process decode
-server; ProbePrefix and ExportPrefix answer FAILED_PRECONDITION (a slice
-keeps no prefix cache), as does the Prefill service (it is not served: a
-slice is not a PD-P node for another node). Requests are continuously
+server. With --prefix_block > 0 every process keeps a prefix cache of its own
+shards for the slice's local prefills (``slice_prefix``; --prefix_cache_mb per
+process; GetStats reports its hits as a decode server does); it is neither
+probed nor shipped: ProbePrefix and ExportPrefix answer FAILED_PRECONDITION,
+as does the Prefill service (it is not served: a slice is not a PD-P node for
+another node). Requests are continuously
 batched: up to --slice_slots decode at once, in lockstep rounds that process
 0 composes (``slice_leader``) and every process runs (``slice_batch``).
 """
@@ -52,6 +55,7 @@ from paas_jax.serving.decode_server import SERVICE, request_params, request_prom
 from paas_jax.serving.slice_batch import ReadyBoard, SliceBatch, follow_rounds
 from paas_jax.serving.slice_decode import SliceJob, SliceParts
 from paas_jax.serving.slice_leader import SliceLeader, SliceRequest
+from paas_jax.serving.slice_prefix import SlicePrefix
 from paas_jax.serving.validation import (InvalidRequestError, check_request_identity,
                                          validate_request)
 from paas_jax.transport import LinkCounters, StateReceiver, serve_receiver
@@ -64,9 +68,15 @@ FLAGS = flags.FLAGS
 
 @dataclasses.dataclass(frozen=True)
 class _NoPrefixCache:
-  """What control_plane reads of an engine: a slice keeps no prefix cache."""
+  """What control_plane reads of an engine: the broker sees no prefix cache on a
+  slice (its local one, if any, is not probed: pd_roles.SLICE ships none)."""
 
   prefix_cache: None = None
+
+
+# Why a slice answers ProbePrefix / ExportPrefix with FAILED_PRECONDITION.
+NOT_SHIPPED = ("a decode slice's prefix cache (if any) serves only its own local prefills: "
+               "it is not probed and ships no prefixes")
 
 
 class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
@@ -147,7 +157,8 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
         info = rest[0]
         yield serving_pb2.DecodeEvent(
             slot=0, queue_s=time.perf_counter() - entry.submitted - info.get("prefill_s", 0.0),
-            prefill_s=info.get("prefill_s", 0.0))
+            prefill_s=info.get("prefill_s", 0.0),
+            prefill_cached_tokens=int(info.get("cached_tokens", 0)))
         continue
       out = serving_pb2.DecodeEvent()
       while True:  # coalesce what is already queued into one message
@@ -198,8 +209,7 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
     return serving_pb2.HandoffResponse()
 
   def ExportPrefix(self, request, context):
-    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                  "ExportPrefix: a decode slice keeps no prefix cache")
+    context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ExportPrefix: {NOT_SHIPPED}")
 
   def GetLoad(self, request, context):
     return control_plane.load_report(
@@ -209,7 +219,7 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
                       "slots_busy": self.leader.rows_busy, "waiting": self._waiting()})
 
   def ProbePrefix(self, request, context):
-    return control_plane.probe_prefix(_NoPrefixCache(), request, context)
+    context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ProbePrefix: {NOT_SHIPPED}")
 
   def GetModel(self, request, context):
     served = control_plane.served_model(self.config, max_model_len=self.max_ctx)
@@ -228,6 +238,7 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
              slice_parts_in=batch.parts.parts_in,
              slice_parts_pending=batch.parts.pending(),
              uptime_s=time.time() - self.started)
+    s.update(common.prefix_cache_gauges(batch.prefix or _NoPrefixCache()))
     return serving_pb2.StatsResponse(
         server="decode", gauges={k: float(v) for k, v in s.items()},
         json=json.dumps({"model": self.config.name, "fingerprint": self.config.fingerprint(),
@@ -268,7 +279,10 @@ def process_main() -> None:
                             credentials=credentials,
                             interceptors=server_interceptors(security, metrics), **plane)
   data_plane_port = transfer.data_plane.port if transfer.data_plane is not None else 0
-  batch = SliceBatch(model, mesh, region, parts, slots=FLAGS.slice_slots, kv=kv)
+  prefix = (SlicePrefix(model.config, mesh, FLAGS.prefix_block, FLAGS.prefix_cache_mb << 20)
+            if FLAGS.prefix_block > 0 else None)
+  batch = SliceBatch(model, mesh, region, parts, slots=FLAGS.slice_slots, kv=kv,
+                     prefix=prefix)
   address = f"{FLAGS.advertise_host or FLAGS.host}:{transfer.port}"
   if kv is not None:  # process 0 announces every process's transfer address
     kv.key_value_set(f"slice/transfer/{pid}", address)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +99,8 @@ class HybridPrefixCache:
   """Prefix reuse for hybrid models (one instance per serving process)."""
 
   def __init__(self, config: ModelConfig, block_size: int = 64,
-               capacity_bytes: int = 1 << 30):
+               capacity_bytes: int = 1 << 30,
+               empty_state: Callable[[int], DecodeState] | None = None):
     if block_size <= 0:
       raise ValueError(f"block_size must be > 0, got {block_size}")
     if capacity_bytes <= 0:
@@ -115,6 +116,10 @@ class HybridPrefixCache:
     self._growing = tuple(kind_spec(k).prefix_rule is PrefixRule.BLOCK_KV
                           for k in config.layer_kinds)
     self._fingerprint = config.fingerprint()
+    # The empty batch-1 state (at a capacity) that ``lookup`` fills. A process
+    # that holds only its own shards of a sharded state (a decode slice,
+    # ``serving.slice_prefix``) stores those and passes its shards' shapes.
+    self._empty_state = empty_state or (lambda capacity: init_state(config, 1, capacity))
 
   # -- keys ------------------------------------------------------------------------
 
@@ -163,7 +168,7 @@ class HybridPrefixCache:
     checkpoint = self._checkpoints[hashes[-1]].layers
     blocks = [self._blocks[h].kv for h in hashes]
     capacity = max(capacity or matched, matched)
-    state = init_state(self.config, 1, capacity)
+    state = self._empty_state(capacity)
     layers = []
     for i, (growing, empty) in enumerate(zip(self._growing, state.layers)):
       if not growing:

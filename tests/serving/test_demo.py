@@ -56,10 +56,12 @@ def test_demo_two_region_small(tmp_path):
 
 def test_a_decode_slice_turns_defaults_that_do_not_fit_into_ones_that_do_and_says_so():
   pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2})
-  # TLS stays on: every slice process presents its own certificate (#16).
-  assert (pools.prefill_pod, pools.prefix_block, pools.tls) == (2, 0, True)
+  # TLS stays on: every slice process presents its own certificate (#16); the
+  # slice keeps a prefix cache for its local prefills (said, not changed).
+  assert (pools.prefill_pod, pools.prefix_block, pools.tls) == (2, 64, True)
   assert len(pools.notes) == 2
-  assert "--prefill_pod=2" in pools.notes[0] and "--prefix_block=0" in pools.notes[1]
+  assert "--prefill_pod=2" in pools.notes[0]
+  assert "prefix cache (--prefix_block=64) for its own local prefills" in pools.notes[1]
   # What the user asked for that fits is kept, with nothing to say (TLS either way).
   for tls in (False, True):
     pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2, "prefill_pod": 3,
@@ -86,8 +88,18 @@ def test_without_a_slice_the_defaults_stay_as_they_are():
   assert (pools.prefill_pod, pools.prefix_block, pools.tls, pools.notes) == (1, 64, True, ())
 
 
+def test_a_decode_slice_keeps_an_explicit_prefix_block():
+  # Once refused (a slice kept no prefix cache); now its local prefills use one.
+  pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2, "prefix_block": 32,
+                           "explicit": ("prefix_block",)})
+  assert pools.prefix_block == 32 and any("--prefix_block=32" in n for n in pools.notes)
+  # Without one, nothing is said about it.
+  pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2, "prefix_block": 0,
+                           "explicit": ("prefix_block",)})
+  assert pools.prefix_block == 0 and not any("prefix" in n for n in pools.notes)
+
+
 @pytest.mark.parametrize("given, flag", [
-    ({"prefix_block": 64, "explicit": ("prefix_block",)}, "--prefix_block"),
     ({"decode_regions": 2}, "--decode_regions"),
     ({"fault": "drop_link"}, "--fault=drop_link"),
     ({"fault": "corrupt_state"}, "--fault=corrupt_state"),
@@ -112,11 +124,11 @@ def test_flags_that_need_a_slice_or_a_pod_are_refused_without_one(given, flag):
 
 def test_the_demo_refuses_a_conflicting_flag_up_front_without_a_traceback(tmp_path):
   proc = subprocess.run(
-      [sys.executable, str(DEMO), "--decode_slice=2", "--prefix_block=64",
+      [sys.executable, str(DEMO), "--decode_slice=2", "--fault=drop_link",
        f"--json_out={tmp_path / 'report.json'}", f"--workdir={tmp_path / 'work'}"],
       capture_output=True, text=True, timeout=300, cwd=REPO)
   assert proc.returncode != 0
-  assert "--prefix_block=0" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+  assert "--fault=drop_link" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
   assert not (tmp_path / "work").exists()  # nothing started
 
 
@@ -130,14 +142,16 @@ def test_demo_with_region_b_as_a_decode_slice_is_token_exact(tmp_path):
        f"--json_out={out}", f"--workdir={tmp_path / 'work'}", "--progress=false"],
       capture_output=True, text=True, timeout=1100, cwd=REPO)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "--prefix_block=0 instead of the default 64" in proc.stdout
+  # The slice keeps a prefix cache for its local prefills (the demo's default block).
+  assert "keeps a prefix cache (--prefix_block=64) for its own local prefills" in proc.stdout
   # TLS on, the demo's default: a slice process per certificate (#16).
   assert "security   : mutual TLS" in proc.stdout and "--notls" not in proc.stdout
   assert "decode slice     : 2 processes x 1 devices (TP=2)" in proc.stdout
   report = json.loads(out.read_text())
   assert report["decode_slice"] == 2 and report["prefill_pod"] == 2
   assert report["security"]["tls"] is True
-  assert report["prefix_cache"]["block_tokens"] == 0
+  assert report["prefix_cache"]["block_tokens"] == 64
+  assert report["decode_server"]["prefix_cache_enabled"] == 1.0
   assert report["all_tokens_match_reference"] is True and report["errors"] == 0
   assert report["decode_server"]["slice_processes"] == 2
   assert report["decode_server"]["jobs_done"] == 4

@@ -100,6 +100,11 @@ def test_the_launcher_starts_a_slice_only_where_it_fits():
     launch_args.check_decode_slice(dataclasses.replace(one, prefill_faults="corrupt_chunks=3"))
   with pytest.raises(ValueError, match="decode_regions > 1"):
     launch_args.check_decode_slice(ClusterSpec(prefill_pod=2, decode_slice=2, decode_regions=2))
+  # A slice keeps a prefix cache for its local prefills (slice_prefix): the flag
+  # reaches every slice process.
+  cached = ClusterSpec(prefill_pod=2, decode_slice=2, prefix_block=32)
+  launch_args.check_decode_slice(cached)
+  assert "--prefix_block=32" in launch_args.decode_args(cached, "127.0.0.1", None)
 
 
 def test_a_slice_among_several_pd_nodes_is_node_0_and_the_others_single_processes():

@@ -242,7 +242,7 @@ def main(argv):
   for i, region_link in enumerate(region_links[1:], 1):
     print(f"link A<->{chr(ord('B') + i)} : {describe(region_link)} via relay (its own "
           f"broker and PD nodes; region A shared by {FLAGS.tenant_sharing})")
-  print(f"security   : " + ("mutual TLS broker<->regions and A->B, TLS + bearer token at the "
+  print("security   : " + ("mutual TLS broker<->regions and A->B, TLS + bearer token at the "
                             "broker" if pools.tls else "PLAINTEXT (--notls)"))
   if FLAGS.fault != "none":
     print(f"fault      : {FLAGS.fault} (at {FLAGS.fault_at_s:g} s, for "

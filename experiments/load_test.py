@@ -44,7 +44,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position  (after the path fix above)
-from experiments.load_accounting import Outcome, percentile, summarize
+from experiments.load_accounting import Outcome, summarize
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("json_out", None, "Where to write the results (JSON).", required=True)

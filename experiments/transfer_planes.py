@@ -25,7 +25,6 @@ each receiver in its own process (no shared GIL), one run measures:
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import socket
 import ssl
 import statistics

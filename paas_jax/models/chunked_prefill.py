@@ -18,7 +18,6 @@ order aside; ``tests/models/test_chunked_prefill.py``).
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import jax

@@ -93,7 +93,7 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
     self.max_ctx = max_ctx
     self.max_queue = max_queue
     self.link_counters = LinkCounters("B->A")  # a slice exports no prefixes
-    self._awaiting: dict[str, _Request] = {}  # remote requests waiting for their Handoff
+    self._awaiting: dict[str, SliceRequest] = {}  # remote requests waiting for their Handoff
     self._lock = threading.Lock()
     self.counters = collections.Counter()
     self.started = time.time()
@@ -142,7 +142,7 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
     yield serving_pb2.DecodeEvent(accepted=True, queue_position=self._waiting())
     yield from self._stream(entry, context)
 
-  def _stream(self, entry: _Request, context):
+  def _stream(self, entry: SliceRequest, context):
     while True:
       try:
         kind, *rest = entry.events.get(timeout=0.5)

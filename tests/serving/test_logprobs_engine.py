@@ -8,7 +8,6 @@ comparison (negative control). Requests without logprobs get none.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from paas_jax.models import api

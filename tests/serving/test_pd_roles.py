@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from paas_jax.scheduling import FinishedRequest, rebalance_step
-from paas_jax.serving import pd_roles
 from paas_jax.serving.pd_roles import (BOTH_ROLE, DECODE, PDD_ROLE, PDP_ROLE, PREFILL, NodeRole,
                                        RoleError, begin_moves, default_roles, plan_split,
                                        serving_counts, settle, split, validate_roles)

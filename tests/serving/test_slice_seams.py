@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from paas_jax.proto import serving_pb2
-from paas_jax.serving import launch_args, pd_roles, pod, pod_supervisor
+from paas_jax.serving import launch_args, pd_roles, pod_supervisor
 from paas_jax.serving.launch import ClusterSpec
 from paas_jax.serving.node_pool import DecodeTarget
 from paas_jax.serving.pod_prefill import PodJob

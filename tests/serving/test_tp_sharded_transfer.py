@@ -16,7 +16,6 @@ import functools
 
 import grpc
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding

@@ -13,7 +13,7 @@ from paas_jax.scheduling import case_study as cs
 from paas_jax.scheduling.rebalancer import Rebalancer
 from paas_jax.simulation import scenarios as sc
 from paas_jax.simulation.link import BandwidthTrace
-from paas_jax.simulation.simulator import Deployment, SimConfig, simulate
+from paas_jax.simulation.simulator import Deployment, simulate
 from paas_jax.simulation.workload import generate_requests
 
 PDP, PDD = "pdp", "pdd"

@@ -1,6 +1,5 @@
 """Hybrid prefix cache: exact reuse, block/checkpoint rules, release, eviction."""
 
-import jax
 import numpy as np
 import pytest
 

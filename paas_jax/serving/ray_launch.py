@@ -5,9 +5,10 @@ region-A prefill server, region B's PD nodes, the WAN relay, the broker) is a
 subprocess supervised by a ``ServerProcess`` Ray actor.
 
   region A   one placement group, bundles need the custom resource ``region_a``
-             (a pod's processes are gang-scheduled: all bundles or none)
+             (a bundle and actor per pod process, ray_pods.py; all placed or none)
   region B   one STRICT_PACK placement group on a ``region_b`` node: PD nodes,
-             relay (the emulated link sits at region B's edge), broker, gateway
+             relay (the emulated link sits at region B's edge), broker, gateway;
+             a decode slice in its own group, an actor per process (ray_pods.py)
 
 ``RayPlacement.address=None`` starts a local one-node Ray with every region's
 resource (``ray.init()``); ``address="host:6379"`` (``--ray_address``) joins
@@ -38,12 +39,12 @@ import uuid
 from typing import Sequence
 
 import ray
-from ray.util.placement_group import (placement_group, placement_group_table,
-                                      remove_placement_group)
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from paas_jax.serving.child_process import LaunchError, stop_process
 from paas_jax.serving.common import write_text_atomic
+from paas_jax.serving import ray_pods
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -66,6 +67,7 @@ class RayPlacement:
   gpus_per_server: float = 0.0
   max_restarts: int = 3
   region_a_strategy: str = "PACK"  # a pod across several nodes: SPREAD
+  region_b_slice_strategy: str = "PACK"  # a decode slice's group (region B): likewise
   namespace: str = "paas_jax"
   placement_timeout_s: float = 120.0
   # A local Ray started by this launcher (address=None): small footprint.
@@ -350,29 +352,57 @@ class RayCluster(LocalCluster):
                  object_store_memory=p.local_object_store_bytes, log_to_driver=False,
                  resources={self.resource_of(r): 1 for r in ["a", *self.decode_regions]})
       self._started_ray = True
-    # Servers of a region first (bundles 0..), then the small processes.
-    self.groups["a"] = placement_group([self._bundle("a", True)],
+    # Region A: one bundle per prefill pod process (ray_pods: one actor each).
+    layout = ray_pods.layout_of(spec)
+    self.groups["a"] = placement_group([self._bundle("a", True)] * layout.pod,
                                        strategy=p.region_a_strategy,
                                        name=f"paas-{self.cluster_id}-region-a")
+    target = None
+    if layout.slice:  # the slice (PD node 0) in its own group; region B's rest beside process 0
+      self.groups["b-slice"] = placement_group(
+          [self._bundle("b", True)] * layout.slice, strategy=p.region_b_slice_strategy,
+          name=f"paas-{self.cluster_id}-region-b-slice")
+      self._wait_placed("b-slice", self.groups["b-slice"])
+      target = ray_pods.bundle_nodes(self.groups["b-slice"])[0]
     for region in self.decode_regions:
-      bundles = [self._bundle(region, True)] * spec.pd_nodes + [
+      servers = spec.pd_nodes - (layout.slice > 0 and region == "b")
+      bundles = [self._bundle(region, True)] * servers + [
           self._bundle(region, False)] * (self._decode_region_processes(region) - spec.pd_nodes)
-      self.groups[region] = placement_group(bundles, strategy="STRICT_PACK",
-                                            name=f"paas-{self.cluster_id}-region-{region}")
+      self.groups[region] = placement_group(
+          bundles, strategy="STRICT_PACK", name=f"paas-{self.cluster_id}-region-{region}",
+          _soft_target_node_id=target if region == "b" else None)
     for region, group in self.groups.items():
-      ready, _ = ray.wait([group.ready()], timeout=p.placement_timeout_s)
-      if not ready:
-        raise LaunchError(
-            f"region {region.upper()}'s placement group {group.bundle_specs} was not placed "
-            f"within {p.placement_timeout_s:.0f} s: does a node have the resources? "
-            f"(cluster: {ray.cluster_resources()})")
-      node_ids = set(placement_group_table(group)["bundles_to_node_id"].values())
-      self.nodes[region] = sorted(node_ids)[0]
+      self._wait_placed(region, group)
+      # Bundle 0 is a pod's (a slice's) process 0: the node that serves its ports.
+      self.nodes[region] = ray_pods.bundle_nodes(group)[0]
+    if target is not None and self.nodes["b"] != target:
+      raise LaunchError("region B's processes and its decode slice's process 0 were placed "
+                        "on different nodes; the broker dials the slice on region B's node")
+    self.nodes.pop("b-slice", None)
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     self.a_host = ips[self.nodes["a"]]
     # A decode region's processes bind and are dialled on its node's address.
     self.region_hosts = {r: (ips[self.nodes[r]],) * 2 for r in self.decode_regions}
     return self.a_host, self.b_local
+
+  def _wait_placed(self, region: str, group) -> None:
+    p = self.placement
+    ready, _ = ray.wait([group.ready()], timeout=p.placement_timeout_s)
+    if not ready:
+      raise LaunchError(
+          f"region {region.upper()}'s placement group {group.bundle_specs} was not placed "
+          f"within {p.placement_timeout_s:.0f} s: does a node have the resources? "
+          f"(cluster: {ray.cluster_resources()})")
+
+  def _make_certs(self, a_host: str, b_host: str) -> None:
+    # A pod's or slice's processes serve on their own nodes: every node's address.
+    hosts = self.region_hosts
+    self.region_hosts = dict(hosts, **{f"node {ip}": (ip, ip)
+                                       for ip in ray_pods.node_ips().values()})
+    try:
+      super()._make_certs(a_host, b_host)
+    finally:
+      self.region_hosts = hosts
 
   def _cert_files(self) -> dict[str, bytes]:
     if self.certs is None:
@@ -384,6 +414,14 @@ class RayCluster(LocalCluster):
              prefix: Sequence[str] = ()) -> RayProc:
     if prefix:
       raise LaunchError("exec prefixes (network namespaces) are not supported on Ray")
+    try:
+      region_procs = ray_pods.region_of(args, self.placement.max_restarts)
+    except ValueError as e:
+      raise LaunchError(f"{name}: {e}") from None
+    if region_procs is not None:  # a pod / slice: one actor per process (ray_pods)
+      group = self.groups["b-slice" if region_procs.kind == "slice" else region]
+      return ray_pods.RegionGroup(self, name, args, region_procs, group, ServerProcess,
+                                  self._bundle(region, True), previous=self.procs.get(name))
     if name in self._bundles:  # a restart goes back to its bundle
       region, index = self._bundles[name]
     else:
@@ -438,6 +476,8 @@ class RayCluster(LocalCluster):
     count is above the one in ``procs[name].info``) and serves again."""
     proc = self.procs[name]
     before = proc.info.get("restarts", 0)
+    if isinstance(proc, ray_pods.RegionGroup):  # restarted as a unit by its monitor
+      return proc.wait_restarted(before, timeout_s)
     deadline = time.monotonic() + timeout_s
     while True:
       left = max(1.0, deadline - time.monotonic())

@@ -161,3 +161,22 @@ def test_a_pod_that_does_not_fit_is_refused_whole(ray_nodes):
             placement=PodPlacement(cpus_per_process=1, placement_timeout_s=3))
   assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
   assert "nothing was started" in str(e.value)
+
+
+def test_a_prefill_pod_gets_one_bundle_per_process_or_none(ray_nodes, tmp_path):
+  # A pod of 2 (ray_pods: an actor per process) is one group of 2 bundles on the
+  # region_a node; a pod of 3 needs 3 CPUs there (it has 2): nothing is placed.
+  _, nodes = ray_nodes
+  cluster = RayCluster(ClusterSpec(prefill_pod=2), tmp_path, RayPlacement(address="auto"))
+  try:
+    cluster._place()  # pylint: disable=protected-access
+    assert len(cluster.groups["a"].bundle_specs) == 2 and cluster.nodes["a"] == nodes["a"]
+  finally:
+    cluster.stop()
+  cluster = RayCluster(ClusterSpec(prefill_pod=3), tmp_path,
+                       RayPlacement(address="auto", placement_timeout_s=3))
+  try:
+    with pytest.raises(LaunchError, match="region A's placement group"):
+      cluster._place()  # pylint: disable=protected-access
+  finally:
+    cluster.stop()

@@ -9,6 +9,7 @@ or runs/.jax_cache), so only the first run pays for compilation.
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 
@@ -74,3 +75,17 @@ def assert_logprobs(ref_model):
         ref_model, list(prompt), out.tokens))
     assert cmp.ok and cmp.steps == len(out.tokens), cmp
   return check
+
+
+def relay_stats_reaching(read_stats, minimum: int, timeout_s: float = 30.0) -> dict:
+  """The relay's statistics once its ``a_to_b`` bytes reach ``minimum``.
+
+  The relay rewrites its statistics file every 0.5 s, so a read right after a
+  reply can miss that request's bytes; ``read_stats()`` may return None while
+  the file is not there yet. Fails (with the last reading) after ``timeout_s``.
+  """
+  deadline = time.monotonic() + timeout_s
+  while (stats := read_stats()) is None or stats["a_to_b"]["bytes"] < minimum:
+    assert time.monotonic() < deadline, (stats, minimum)
+    time.sleep(0.2)
+  return stats

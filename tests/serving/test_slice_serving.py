@@ -28,6 +28,7 @@ from paas_jax.client import BrokerClient, GenerationError
 from paas_jax.netem import LinkSpec
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
+from tests.serving.conftest import relay_stats_reaching
 from tests.serving.test_pod_serving import _stats, _wait_remote
 
 
@@ -120,11 +121,7 @@ def test_a_pod_streams_to_a_decode_slice_shard_to_shard_token_and_logprob_exact(
   total = sum(sent)
   assert max(got) < total and sum(got) <= total, (got, sent)
   # The parts crossed the emulated link (a relay route per slice process).
-  # (The relay rewrites its statistics every 0.5 s.)
-  deadline = time.monotonic() + 20
-  while (relay := cluster.relay_stats()) is None or relay["a_to_b"]["bytes"] < sum(got):
-    assert time.monotonic() < deadline, (relay, got)
-    time.sleep(0.2)
+  relay = relay_stats_reaching(cluster.relay_stats, sum(got))
   # ... on the TCP data plane: the relay forwards every slice process's data plane.
   assert relay["route_bytes"].get("dataplane0", 0) > 0, relay["route_bytes"]
   assert relay["route_bytes"].get("slicedataplane1", 0) > 0, relay["route_bytes"]

@@ -1,8 +1,8 @@
 """How the two-region demo's flags combine (pure; experiments/demo_two_region.py).
 
-Region A as a pod (--prefill_pod) and region B as a decode slice
-(--decode_slice) each rule out some of the demo's other settings
-(``launch_args.check_decode_slice`` lists the slice's). A setting the user left
+Region A as a pod (--prefill_pod) and region B's PD nodes as decode slices
+(--decode_slice processes each, on --slice_nodes nodes) each rule out some of
+the demo's other settings (``launch_args.check_decode_slice`` lists the slice's). A setting the user left
 at its default is changed to one that fits, with a note to print; one the user
 asked for is refused with a ``UsageError`` naming the flag, before anything
 starts.
@@ -38,14 +38,23 @@ class PoolSettings:
 
 def resolve_pools(*, decode_slice: int, decode_slice_devices: int, prefill_pod: int,
                   prefix_block: int, pd_nodes: int, decode_regions: int, fault: str,
-                  tls: bool, explicit: Container[str]) -> PoolSettings:
-  """Checks --prefill_pod / --decode_slice against the rest. ``explicit``: the
-  names of the flags the user set (the others are at their defaults)."""
+                  tls: bool, explicit: Container[str], slice_nodes: int = 1) -> PoolSettings:
+  """Checks --prefill_pod / --decode_slice / --slice_nodes against the rest.
+  ``explicit``: the names of the flags the user set (the others are at their
+  defaults)."""
   if prefill_pod < 1:
     raise app.UsageError(f"--prefill_pod must be >= 1, got {prefill_pod}")
   if decode_slice < 1 or decode_slice_devices < 1:
     raise app.UsageError(f"--decode_slice ({decode_slice}) and --decode_slice_devices "
                          f"({decode_slice_devices}) must be >= 1")
+  if slice_nodes < 1:
+    raise app.UsageError(f"--slice_nodes must be >= 1, got {slice_nodes}")
+  if slice_nodes > 1 and decode_slice == 1:
+    raise app.UsageError(f"--slice_nodes={slice_nodes} makes PD nodes decode slices: it needs "
+                         "--decode_slice > 1 (the processes of each)")
+  if slice_nodes > pd_nodes:
+    raise app.UsageError(f"--slice_nodes={slice_nodes} slices need as many PD nodes: "
+                         f"--pd_nodes={pd_nodes}")
   if decode_slice == 1:
     if decode_slice_devices > 1:
       raise app.UsageError("--decode_slice_devices applies to a decode slice: it needs "
@@ -68,7 +77,12 @@ def resolve_pools(*, decode_slice: int, decode_slice_devices: int, prefill_pod: 
     notes.append(f"{where} keeps a prefix cache (--prefix_block={prefix_block}) for its own "
                  "local prefills only; region A's pod keeps none and no prefix is shipped "
                  "to or from the slice")
-  if pd_nodes > 1:  # PD node 0 is the slice, the others single decode servers
+  if slice_nodes > 1:  # PD nodes 0 .. slice_nodes - 1 are slices, the rest single
+    notes.append(f"PD nodes 0..{slice_nodes - 1} are {slice_nodes} decode slices of "
+                 f"{decode_slice} processes each (role both)"
+                 + (f"; the other {pd_nodes - slice_nodes} PD node(s) are single decode "
+                    "servers" if pd_nodes > slice_nodes else ""))
+  elif pd_nodes > 1:  # PD node 0 is the slice, the others single decode servers
     notes.append(f"{where} is PD node 0 (\"decode\", role both); the other "
                  f"{pd_nodes - 1} PD node(s) are single decode servers")
   if decode_regions > 1:

@@ -108,13 +108,17 @@ flags.DEFINE_string("tenant_weights", "", "Region weights for wfq, e.g. 'B=2,C=1
 flags.DEFINE_integer("prefill_pod", 1, "Region A as a pod of this many processes (TP over all; "
                      "serving/pod_prefill_server.py). --fault=kill_pod_process: pod process 1 "
                      "dies mid-prefill of the pod's 2nd request; the pod restarts as a unit.")
-flags.DEFINE_integer("decode_slice", 1, "Region B's PD node 0 as a decode slice of this many "
-                     "processes (TP over all; serving/slice_decode_server.py); with --pd_nodes "
-                     "> 1 the others are single decode servers. Needs a "
+flags.DEFINE_integer("decode_slice", 1, "Region B's PD node 0 (the first --slice_nodes nodes) "
+                     "as a decode slice of this many processes (TP over all; serving/"
+                     "slice_decode_server.py); with --pd_nodes > --slice_nodes the others are "
+                     "single decode servers. Needs a "
                      "prefill pod: left at its default, --prefill_pod becomes 2 (printed); "
                      "--prefix_block gives the slice a prefix cache for its own local "
                      "prefills; conflicting flags are refused.")
 flags.DEFINE_integer("decode_slice_devices", 1, "Devices per decode slice process.")
+flags.DEFINE_integer("slice_nodes", 1, "How many of region B's PD nodes, from node 0 on, are "
+                     "decode slices of --decode_slice processes each (the rest single decode "
+                     "servers); needs --decode_slice > 1 and --pd_nodes >= this.")
 flags.DEFINE_bool("tls", True, "Mutual TLS between broker and regions and TLS + a bearer "
                   "token at the broker (a local CA and token in <workdir>/certs); --notls "
                   "runs every process with an explicit --insecure.")
@@ -158,7 +162,7 @@ def main(argv):
   pools = resolve_pools(
       decode_slice=FLAGS.decode_slice, decode_slice_devices=FLAGS.decode_slice_devices,
       prefill_pod=FLAGS.prefill_pod, prefix_block=FLAGS.prefix_block, pd_nodes=FLAGS.pd_nodes,
-      decode_regions=FLAGS.decode_regions, fault=FLAGS.fault, tls=FLAGS.tls,
+      slice_nodes=FLAGS.slice_nodes, decode_regions=FLAGS.decode_regions, fault=FLAGS.fault, tls=FLAGS.tls,
       explicit={name for name in ("prefill_pod", "prefix_block", "tls")
                 if FLAGS[name].present})
   for note in pools.notes:
@@ -226,7 +230,8 @@ def main(argv):
                      prefill_pod=pools.prefill_pod, prefill_pod_fault=(
                          "1:prefill:2" if FLAGS.fault == "kill_pod_process" else ""),
                      decode_slice=FLAGS.decode_slice,
-                     decode_slice_devices=FLAGS.decode_slice_devices)
+                     decode_slice_devices=FLAGS.decode_slice_devices,
+                     slice_nodes=FLAGS.slice_nodes)
   lengths = [len(r.prompt) for r in reqs]
   print(f"model      : {config.name} ("
         + (f"checkpoint {FLAGS.checkpoint}" if FLAGS.checkpoint else f"random init, seed "
@@ -249,8 +254,8 @@ def main(argv):
     print(f"fault      : {FLAGS.fault} (at {FLAGS.fault_at_s:g} s, for "
           f"{FLAGS.fault_duration_s:g} s)")
   pod_note = f" pod of {pools.prefill_pod} processes" if pools.prefill_pod > 1 else ""
-  slice_note = (f" slice of {FLAGS.decode_slice} processes x {FLAGS.decode_slice_devices} "
-                "devices" if FLAGS.decode_slice > 1 else "")
+  slice_note = (f" {FLAGS.slice_nodes} slice(s) of {FLAGS.decode_slice} processes x "
+                f"{FLAGS.decode_slice_devices} devices" if FLAGS.decode_slice > 1 else "")
   print(f"starting   : region A (prefill{pod_note}), region B (decode{slice_note} + PD-P), WAN "
         "relay, broker (first run compiles the engines; later runs load them from the "
         "cache) ...")

@@ -29,7 +29,7 @@ from paas_jax.security import TLSConfig, channel_credentials
 from paas_jax.security import ca as ca_lib
 from paas_jax.security.auth import write_token_files
 from paas_jax.security.faults import FlakyLink
-from paas_jax.serving import launch_args
+from paas_jax.serving import launch_args, launch_routes
 from paas_jax.serving.child_process import LaunchError, Proc, spawn, wait_ready
 
 # Loopback address PD nodes bind their data plane on when a WAN relay sits in front
@@ -132,12 +132,16 @@ class ClusterSpec:
   # Region B's decode server as a slice of this many processes (one JAX
   # program, TP over decode_slice x decode_slice_devices devices; serving/
   # slice_decode_server.py; 1: the single-process decode server). With
-  # pd_nodes > 1 PD node 0 ("decode") is the slice (role "both": it prefills
-  # its own local requests) and "decode1", ... single decode servers
+  # pd_nodes > 1 the first slice_nodes PD nodes are slices (role "both": each
+  # prefills its own local requests) and the rest single decode servers
   # (pd_prefill_nodes splits those). Behind an emulated link the relay
   # forwards each slice process's StateTransfer port and data plane.
   decode_slice: int = 1
   decode_slice_devices: int = 1
+  # How many PD nodes, from node 0 on, are slices of decode_slice processes
+  # each ("decode", "decode1", ...; the rest single decode servers). Needs
+  # decode_slice > 1 and slice_nodes <= pd_nodes (launch_args.check_decode_slice).
+  slice_nodes: int = 1
 
 
 class LocalCluster:
@@ -212,8 +216,9 @@ class LocalCluster:
         # Behind a relay the data plane binds another loopback address; the relay
         # listens on the announced port at the host region A dials.
         relayed = self.link_of(region) is not None and spec.transfer_plane == "tcp"
-        # With a decode slice, PD node 0 ("decode") is the slice and the
-        # others single decode servers (launch_args.pd_node_shapes).
+        # With decode slices, PD nodes 0 .. slice_nodes - 1 are slices (each its
+        # own supervisor, coordinator, ports and ready file) and the others
+        # single decode servers (launch_args.pd_node_shapes).
         for node, name in enumerate(self.pd_names_of(region)):
           args = launch_args.decode_args(spec, self.local_host(region),
                                          _DATA_PLANE_HOST if relayed else None, node)
@@ -248,43 +253,24 @@ class LocalCluster:
       transfer_target = self.wan.address
     pd_info = [self.procs[n].info for n in pd_names]
     pd_local = [f"{local}:{d['transfer_port']}" for d in pd_info]
-    pd_wan = [transfer_target] + pd_local[1:]
-    # A decode slice: region A sends each slice process its own parts.
-    slice_transfer = pd_info[0].get("slice_transfer", [])[1:] if spec.decode_slice > 1 else []
-    if slice_transfer:  # node 0's entry lists its processes; the others' stay
-      pd_wan = ["+".join([transfer_target, *slice_transfer])] + pd_wan[1:]
+    # A decode slice's entry lists its processes: region A sends each its own parts.
+    shapes = launch_args.pd_node_shapes(spec)
+    pd_wan = launch_routes.direct_entries(shapes, pd_info, transfer_target, pd_local)
     if link is not None:
       relay_link = (dataclasses.replace(link, shape_bandwidth=False)
                     if self.netns is not None else link)
-      routes = [f"transfer={dial}:0->{transfer_target}@a_to_b",
-                f"control={local}:0->{prefill_target}@b_to_a",
-                f"prefix={local}:0->{prefix_target}@b_to_a"]
-      # Data planes of the PD nodes, over the same link, on the port they announce.
-      for i, d in enumerate(pd_info):
-        if d.get("data_plane_port") and spec.transfer_plane == "tcp":
-          dp = d["data_plane_port"]
-          routes.append(f"dataplane{i}={dial}:{dp}->{_DATA_PLANE_HOST}:{dp}@a_to_b")
-      # The other PD nodes' StateTransfer ports, over the same link (PrfaaS states).
-      routes += [f"transfer{i}={dial}:0->{pd_local[i]}@a_to_b" for i in range(1, len(pd_info))]
-      # A slice's other processes' StateTransfer ports and data planes (each
-      # process binds its data plane on _DATA_PLANE_HOST at a port fixed for the
-      # slice's lifetime: pod_supervisor).
-      routes += [f"slice{q}={dial}:0->{a}@a_to_b" for q, a in enumerate(slice_transfer, 1)]
-      if slice_transfer and spec.transfer_plane == "tcp":
-        routes += [f"slicedataplane{q}={dial}:{dp}->{_DATA_PLANE_HOST}:{dp}@a_to_b"
-                   for q, dp in enumerate(pd_info[0]["slice_data_plane_ports"][1:], 1)]
+      routes = launch_routes.relay_routes(
+          shapes, pd_info, dial=dial, local=local, transfer_target=transfer_target,
+          control_target=prefill_target, prefix_target=prefix_target,
+          local_transfer=pd_local, tcp=spec.transfer_plane == "tcp",
+          data_plane_host=_DATA_PLANE_HOST)
       relay = self._name(region, "relay")
       self.procs[relay] = self._spawn(
           relay, launch_args.relay_args(relay_link, self.relay_stats_path(region), routes),
           region)
       wait_ready([self.procs[relay]], 60, on_tick)
       ports = self.procs[relay].info["ports"]
-      pd_wan = [f"{dial}:{ports['transfer']}"] + [f"{dial}:{ports[f'transfer{i}']}"
-                                                  for i in range(1, len(pd_info))]
-      if slice_transfer:
-        pd_wan = ["+".join([pd_wan[0]] + [f"{dial}:{ports[f'slice{q}']}"
-                                          for q in range(1, len(slice_transfer) + 1)])
-                  ] + pd_wan[1:]
+      pd_wan = launch_routes.relayed_entries(shapes, pd_info, ports, dial)
       prefill_target = f"{local}:{ports['control']}"
       prefix_target = f"{local}:{ports['prefix']}"
     broker = self._name(region, "broker")
@@ -335,9 +321,10 @@ class LocalCluster:
     self.certs = self.workdir / "certs"
     hosts = tuple(dict.fromkeys(ca_lib.DEFAULT_HOSTS + (a_host, b_host) + tuple(
         h for pair in self.region_hosts.values() for h in pair)))
-    # A decode slice's processes each get their own certificate (launch_args);
+    # Every decode slice's processes each get their own certificate (launch_args);
     # under Ray every file of certs/ travels with each actor (ray_launch).
-    names = ("broker", "prefill", "decode", "client", *launch_args.slice_tls_names(self.spec))
+    names = ("broker", "prefill", "decode", "client",
+             *launch_args.all_slice_tls_names(self.spec))
     ca_lib.make_certs(self.certs, names, hosts=hosts, reuse_ca=False)
     (self.certs / "api_tokens.txt").unlink(missing_ok=True)
     write_token_files(self.certs, "client")

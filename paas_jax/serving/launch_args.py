@@ -73,6 +73,17 @@ def check_decode_slice(spec) -> None:
   if spec.decode_slice < 1 or spec.decode_slice_devices < 1:
     raise ValueError(f"decode_slice ({spec.decode_slice}) and decode_slice_devices "
                      f"({spec.decode_slice_devices}) must be >= 1")
+  slice_nodes = spec.slice_nodes
+  if slice_nodes < 1:
+    raise ValueError(f"slice_nodes must be >= 1 (PD nodes 0 .. slice_nodes - 1 are the "
+                     f"slices), got slice_nodes={slice_nodes}")
+  if slice_nodes > 1 and spec.decode_slice < 2:
+    # Without a slice every PD node is one process: slice_nodes would say nothing.
+    raise ValueError(f"slice_nodes={slice_nodes} needs decode_slice > 1 (the processes of "
+                     f"each slice), got decode_slice={spec.decode_slice}")
+  if slice_nodes > spec.pd_nodes:
+    raise ValueError(f"slice_nodes={slice_nodes} slices need as many PD nodes: "
+                     f"pd_nodes={spec.pd_nodes}")
   if spec.decode_slice == 1:
     return
   unfit = {"decode_regions > 1": spec.decode_regions > 1, "flaky_wan": spec.flaky_wan,
@@ -82,38 +93,47 @@ def check_decode_slice(spec) -> None:
   if named:
     raise ValueError(f"a decode slice (decode_slice={spec.decode_slice}) is launched without "
                      f"{', '.join(named)}")
-  # PD node 0 is the slice, always "both"; pd_prefill_nodes splits the other
-  # pd_nodes - 1 (single-process) nodes as the broker will (pd_roles).
+  # The slices (nodes 0 .. slice_nodes - 1) are always "both"; pd_prefill_nodes
+  # splits the other (single-process) nodes as the broker will (pd_roles).
   try:
     pd_roles.default_roles_for(pd_node_shapes(spec), spec.pd_prefill_nodes)
   except pd_roles.RoleError as e:
-    raise ValueError(f"pd_prefill_nodes={spec.pd_prefill_nodes} with a decode slice as PD "
-                     f"node 0 of pd_nodes={spec.pd_nodes}: {e}") from None
+    raise ValueError(f"pd_prefill_nodes={spec.pd_prefill_nodes} with {slice_nodes} decode "
+                     f"slice(s) among pd_nodes={spec.pd_nodes}: {e}") from None
 
 
 def pd_node_shapes(spec) -> list:
-  """Each PD node's ``pd_roles.NodeShape``: with a decode slice, node 0
-  ("decode") is the slice and the others single decode processes."""
-  return [pd_roles.SLICE if i == 0 and spec.decode_slice > 1 else pd_roles.SINGLE
+  """Each PD node's ``pd_roles.NodeShape``: with a decode slice, nodes 0 ..
+  ``slice_nodes`` - 1 ("decode", "decode1", ...) are slices and the others
+  single decode processes."""
+  slices = spec.slice_nodes if spec.decode_slice > 1 else 0
+  return [pd_roles.SLICE if i < slices else pd_roles.SINGLE
           for i in range(max(spec.pd_nodes, 1))]
 
 
-def slice_tls_names(spec) -> list[str]:
-  """The certificates of a decode slice's processes (``--slice_tls_names``), one
-  per process so that each holds only its own key; [] without a slice or TLS.
-  ``decode-slice<q>`` matches the decode peer patterns (``decode*``)."""
-  if spec.decode_slice < 2 or not spec.tls:
+def slice_tls_names(spec, node: int = 0) -> list[str]:
+  """The certificates of PD node ``node``'s slice processes (``--slice_tls_names``),
+  one per process so that each holds only its own key; [] for a single node or
+  without TLS. Node 0 keeps ``decode-slice<q>``, node n takes
+  ``decode<n>-slice<q>``: both match the decode peer patterns (``decode*``)."""
+  if not spec.tls or pd_node_shapes(spec)[node] is not pd_roles.SLICE:
     return []
-  return [f"decode-slice{q}" for q in range(spec.decode_slice)]
+  stem = "decode" if node == 0 else f"decode{node}"
+  return [f"{stem}-slice{q}" for q in range(spec.decode_slice)]
+
+
+def all_slice_tls_names(spec) -> list[str]:
+  """Every slice process's certificate, over all PD nodes (the launcher makes them)."""
+  return [n for node in range(max(spec.pd_nodes, 1)) for n in slice_tls_names(spec, node)]
 
 
 def decode_args(spec, host: str, data_plane_host: str | None, node: int = 0) -> list[str]:
   """PD node ``node`` (a decode server). ``data_plane_host``: bind the data
   plane there (a relay takes the announced port on the address region A dials)."""
-  if pd_node_shapes(spec)[node] is pd_roles.SLICE:  # a slice of processes (node 0)
+  if pd_node_shapes(spec)[node] is pd_roles.SLICE:  # a slice of processes (nodes 0 ..)
     # Behind a relay (data_plane_host) every slice process's data plane binds
-    # there; the relay forwards each one's announced port (launch.py).
-    names = slice_tls_names(spec)
+    # there; the relay forwards each one's announced port (launch_routes).
+    names = slice_tls_names(spec, node)
     return ["-m", "paas_jax.serving.slice_decode_server", *server_args(spec, host),
             "--transfer_port=0", f"--max_queue={spec.max_queue}",
             f"--transfer_plane={spec.transfer_plane}",

@@ -174,6 +174,12 @@ def default_roles_for(shapes: Sequence[NodeShape], n_prefill: int | None = None
   if not shapes:
     raise RoleError("need at least one PD node, got none")
   free = [i for i, s in enumerate(shapes) if s.fixed_role is None]
+  if not free and n_prefill is not None and n_prefill > 0:
+    # Every node is a slice (role "both"): no PD-P node can be placed, and
+    # ignoring the count would hide that from whoever asked for it.
+    raise RoleError(f"{n_prefill} PD-P node(s) asked for, but all {len(shapes)} PD nodes are "
+                    "decode slices (role both; none prefills for another node)",
+                    precondition=True)
   split_free = default_roles(len(free), n_prefill) if free else ()
   out = [s.fixed_role for s in shapes]
   for i, r in zip(free, split_free):

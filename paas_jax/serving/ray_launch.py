@@ -344,6 +344,10 @@ class RayCluster(LocalCluster):
       raise LaunchError("netem='netns' needs one host; on Ray use the relay")
     if spec.flaky_wan:
       raise LaunchError("flaky_wan runs in the launcher's process; not on Ray")
+    if spec.decode_slice > 1 and spec.slice_nodes > 1:
+      # ray_pods places one slice (PD node 0) in its own region-B group.
+      raise LaunchError(f"slice_nodes={spec.slice_nodes}: on Ray region B has one decode "
+                        "slice (PD node 0); run several slices with LocalCluster")
     if not ray.is_initialized():
       if p.address:
         ray.init(address=p.address, namespace=p.namespace, log_to_driver=False)

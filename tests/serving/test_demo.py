@@ -21,7 +21,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 DEMO = REPO / "experiments" / "demo_two_region.py"
 # The demo's defaults as resolve_pools sees them (no flag given).
 DEFAULTS = dict(decode_slice=1, decode_slice_devices=1, prefill_pod=1, prefix_block=64,
-                pd_nodes=1, decode_regions=1, fault="none", tls=True, explicit=())
+                pd_nodes=1, decode_regions=1, fault="none", tls=True, explicit=(),
+                slice_nodes=1)
 
 
 # Wall-clock guard only (not a speed check): a cold start compiles every engine of
@@ -81,6 +82,28 @@ def test_a_decode_slice_among_several_pd_nodes_is_node_0_and_says_so():
   assert pools.prefill_pod == 2
   assert any("PD node 0" in n and "2 PD node(s) are single decode servers" in n
              for n in pools.notes), pools.notes
+
+
+def test_several_slices_are_the_first_pd_nodes_and_say_so():
+  pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2, "pd_nodes": 3, "slice_nodes": 2,
+                           "prefix_block": 0, "explicit": ("prefix_block",)})
+  assert any("PD nodes 0..1 are 2 decode slices of 2 processes" in n
+             and "the other 1 PD node(s) are single decode servers" in n
+             for n in pools.notes), pools.notes
+  # Negative: with one slice the note names node 0 alone.
+  pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2, "pd_nodes": 3, "prefix_block": 0,
+                           "explicit": ("prefix_block",)})
+  assert not any("decode slices of" in n for n in pools.notes), pools.notes
+
+
+@pytest.mark.parametrize("given, flag", [
+    ({"decode_slice": 2, "pd_nodes": 2, "slice_nodes": 3}, "--slice_nodes=3 .* --pd_nodes=2"),
+    ({"pd_nodes": 2, "slice_nodes": 2}, "--slice_nodes=2 .* --decode_slice > 1"),
+    ({"decode_slice": 2, "slice_nodes": 0}, "--slice_nodes must be >= 1"),
+])
+def test_slice_nodes_that_cannot_run_are_refused_and_named(given, flag):
+  with pytest.raises(app.UsageError, match=flag):
+    resolve_pools(**{**DEFAULTS, **given})
 
 
 def test_without_a_slice_the_defaults_stay_as_they_are():

@@ -29,6 +29,7 @@ from paas_jax.serving.decode_engine import DecodeEngine
 from paas_jax.serving.decode_scheduler import (DecodeJob, DecodeScheduler, EventKind,
                                                QueueFullError)
 from paas_jax.serving.engine_config import EngineConfig
+from paas_jax.serving.ports import free_port
 from paas_jax.serving.prefill_batcher import PrefillBatcher, PrefillJob
 from paas_jax.serving.prefill_engine import PrefillEngine, PrefillInput
 from paas_jax.serving.prefill_server import PrefillServicer
@@ -401,6 +402,11 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
       max_workers=engine_config.n_slots + 2 * max_queue + 32)
   plane = (dp_tls.receiver_kwargs(security, "decode", credentials, data_plane_host)
            if data_plane else {})
+  if data_plane and data_plane_host and data_plane_host != host:
+    # A relay will listen on ``host`` at the port this data plane binds on
+    # data_plane_host: a port the kernel picks could meanwhile be an outgoing
+    # connection's local port on ``host``.
+    plane["data_port"] = free_port(host)
   transfer = serve_receiver(servicer.receiver, f"{host}:{transfer_port}",
                             credentials=credentials, interceptors=stack, **plane)
   if warmup:

@@ -20,8 +20,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -34,43 +32,7 @@ import grpc
 from paas_jax.codec.shard_plan import MeshSpec
 from paas_jax.models.config import ModelConfig
 from paas_jax.serving import pod_worker
-
-EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-FIXED_PORT_FLOOR = 20000  # below: ports services often hold (databases, dev servers)
-
-
-def _ephemeral_ports() -> range:
-  """The kernel's range for ports it picks itself (outgoing connections, bind to 0)."""
-  try:
-    low, high = map(int, pathlib.Path(EPHEMERAL_RANGE_FILE).read_text().split())
-    return range(low, high + 1)
-  except (OSError, ValueError):
-    return range(32768, 61000)  # Linux's default
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-  """A port that is free now on ``host`` for a process to bind later.
-
-  The port is announced before its owner binds it (a child process, or the
-  relay on another address), so one from the ephemeral range could meanwhile
-  become the local port of any outgoing connection (seen: the relay's bind
-  failing with EADDRINUSE under load). Below that range only another explicit
-  bind competes, so the port is drawn there, at random; the kernel's choice is
-  the fallback when that range is too small or full.
-  """
-  ephemeral = _ephemeral_ports()
-  below = range(FIXED_PORT_FLOOR, ephemeral.start)
-  for _ in range(64 if len(below) >= 1024 else 0):
-    port = below[secrets.randbelow(len(below))]
-    with socket.socket() as s:
-      try:
-        s.bind((host, port))
-      except OSError:
-        continue
-      return port
-  with socket.socket() as s:
-    s.bind((host, 0))
-    return s.getsockname()[1]
+from paas_jax.serving.ports import free_port
 
 
 class PodFailure(RuntimeError):

@@ -303,7 +303,8 @@ def process_main() -> None:
   def broken():  # answer the failed request first, then let the supervisor restart the slice
     threading.Timer(0.5, os._exit, (1,)).start()
   leader = SliceLeader(batch, board, kv=kv, steps_per_round=FLAGS.slice_steps_per_round,
-                       receive_timeout_s=FLAGS.slice_receive_timeout_s, on_broken=broken)
+                       receive_timeout_s=FLAGS.slice_receive_timeout_s,
+                       round_timeout_s=FLAGS.slice_round_timeout_s, on_broken=broken)
   servicer = SliceDecodeServicer(model.config, leader, slice_info, max_ctx=max_ctx,
                                  max_queue=FLAGS.max_queue)
   control = common.start_server(
@@ -365,6 +366,9 @@ def define_flags() -> None:
   pod_supervisor.define_region_flags("slice")
   flags.DEFINE_float("slice_receive_timeout_s", 300.0, "How long a request waits for its "
                      "state parts after its Handoff.")
+  flags.DEFINE_float("slice_round_timeout_s", 300.0, "How long process 0's own part of a "
+                     "round may run before the slice gives up on it (its requests fail "
+                     "UNAVAILABLE and the slice restarts): a round stuck in a collective.")
   flags.DEFINE_integer("slice_slots", 4, "Requests the slice decodes at once (rows of its "
                        "batched state).")
   flags.DEFINE_integer("slice_steps_per_round", 4, "Decode steps per lockstep round while "

@@ -38,6 +38,7 @@ log = logging.getLogger("paas_jax.serving.slice_leader")
 # How often the leader looks at the ready board while requests wait for parts
 # and nothing decodes.
 PARTS_POLL_S = 0.01
+SLOW_ROUND_S = 10.0  # rounds slower than this are logged with what they held
 
 
 @dataclasses.dataclass
@@ -70,19 +71,26 @@ class SliceLeader:
     kv: the region's key-value store (None: a single-process slice).
     steps_per_round: decode steps of a round while nothing waits.
     receive_timeout_s: how long a remote request waits for its parts.
+    round_timeout_s: how long process 0's own part of a round may run. The
+      others' reports have the region's deadline (``lockstep.gather``), which
+      starts only once process 0's part is done; a part stuck in a collective
+      would otherwise hold every admitted request until its client gives up.
     on_broken: called once the slice lost lockstep (its supervisor restarts it).
   """
 
   def __init__(self, batch: SliceBatch, board: ReadyBoard, *, kv=None,
                steps_per_round: int = 4, receive_timeout_s: float = 300.0,
-               on_broken: Callable | None = None):
+               round_timeout_s: float = 300.0, on_broken: Callable | None = None):
     self.batch = batch
     self.board = board
     self.kv = kv
     self.steps_per_round = max(1, steps_per_round)
     self.receive_timeout_s = receive_timeout_s
+    self.round_timeout_s = round_timeout_s
     self.on_broken = on_broken
     self.broken = False
+    # The leader thread and a round's watchdog may both end the slice.
+    self._ending = threading.RLock()
     self.counters = collections.Counter()
     self._cv = threading.Condition()
     self._waiting: collections.deque[SliceRequest] = collections.deque()
@@ -215,6 +223,10 @@ class SliceLeader:
 
   def _run(self, rnd: SliceRound) -> None:
     region = self.batch.region
+    watchdog = threading.Timer(self.round_timeout_s, self._round_stuck, (rnd,))
+    watchdog.daemon = True
+    watchdog.start()
+    started = time.monotonic()
     try:
       reports = lockstep.lead(self.kv, ROUNDS, rnd.number, rnd.to_json(),
                               lambda: self.batch.run_round(rnd, emit=self._emit),
@@ -222,6 +234,24 @@ class SliceLeader:
     except lockstep.LockstepLost as e:
       self._break(f"slice {e.message}", e.code)
       return
+    finally:
+      watchdog.cancel()
+    took = time.monotonic() - started
+    if took > SLOW_ROUND_S:
+      log.warning("slice round %d took %.1f s: %d admitted, %d evicted, %d steps, %d rows "
+                  "busy after it", rnd.number, took, len(rnd.admit), len(rnd.evict), rnd.steps,
+                  self.batch.active())
+    with self._ending:
+      if not self.broken:  # else the watchdog ended the slice while the round ran
+        self._take_reports(rnd, reports)
+
+  def _round_stuck(self, rnd: SliceRound) -> None:
+    log.error("slice round %d (%d admitted, %d steps) did not finish within %.0f s",
+              rnd.number, len(rnd.admit), rnd.steps, self.round_timeout_s)
+    self._break(f"slice round {rnd.number} did not finish within {self.round_timeout_s:.0f}s "
+                "(a process stuck in a collective?); the slice restarts")
+
+  def _take_reports(self, rnd: SliceRound, reports: list[dict]) -> None:
     mine = reports[0]
     lost = next((r for r in reports if not r.get("ok")), None)
     if lost is not None:
@@ -256,12 +286,15 @@ class SliceLeader:
       request.events.put((kind, *payload))
 
   def _break(self, message: str, code: str = "UNAVAILABLE") -> None:
-    self.counters["jobs_failed"] += len(self._admitted)
-    for request in self._admitted.values():
-      request.events.put(("error", code, message))
-      request.finished = True
-    self._admitted.clear()
-    self.broken = True
+    with self._ending:
+      if self.broken:
+        return
+      self.counters["jobs_failed"] += len(self._admitted)
+      for request in self._admitted.values():
+        request.events.put(("error", code, message))
+        request.finished = True
+      self._admitted.clear()
+      self.broken = True
     if self.on_broken is not None:
       self.on_broken()
 

@@ -23,12 +23,14 @@ class _Batch:
   """Rows and rounds as a slice process keeps them; every row emits token 7
   per step and finishes at its ``max_new_tokens``."""
 
-  def __init__(self, *, processes=1, slots=2, outcome="ok"):
+  def __init__(self, *, processes=1, slots=2, outcome="ok", hold_s=0.0):
     self.region = pod.RegionSpec("", processes, 0, 1, 5.0)
     self.parts = SliceParts(0)
     self.rows = [None] * slots
     self.outcome = outcome
     self.rounds = []
+    self.hold_s = hold_s  # each round takes this long (a slow or stuck collective)
+    self.release = threading.Event()
 
   @property
   def slots(self):
@@ -39,6 +41,7 @@ class _Batch:
 
   def run_round(self, rnd, emit):
     self.rounds.append(rnd)
+    self.release.wait(self.hold_s)
     if self.outcome == "raise":
       raise RuntimeError("lost a collective")
     report = {"process": 0, "ok": True, "failed": {}, "finished": {}, "wire_bytes": {},
@@ -184,3 +187,30 @@ def test_a_request_gone_before_its_handoff_has_its_parts_dropped_everywhere():
   while not batch.rounds and time.monotonic() < deadline:
     time.sleep(0.01)
   assert batch.rounds[0].drop == ("x",) and not batch.rounds[0].admit
+
+
+def test_a_round_stuck_past_its_deadline_fails_its_requests_and_breaks_the_slice():
+  broken = threading.Event()
+  batch = _Batch(hold_s=60)  # process 0's part never comes back (until released)
+  leader = SliceLeader(batch, ReadyBoard(), round_timeout_s=0.3, on_broken=broken.set)
+  request = _request("s")
+  leader.submit(request)
+  kind, code, message = _events(request, 1)[0]
+  assert (kind, code) == ("error", "UNAVAILABLE") and "did not finish within" in message
+  assert broken.is_set() and leader.broken and leader.counters["jobs_failed"] == 1
+  # The stuck round returning late changes nothing: its reports are not taken.
+  batch.release.set()
+  time.sleep(0.2)
+  assert leader.counters["jobs_done"] == 0 and request.events.empty()
+
+
+def test_a_slow_round_within_its_deadline_finishes_normally():
+  """Negative control: the same fake held for less than the deadline."""
+  broken = threading.Event()
+  leader = SliceLeader(_Batch(hold_s=0.2), ReadyBoard(), round_timeout_s=5.0,
+                       on_broken=broken.set)
+  request = _request("t", max_new=2)
+  leader.submit(request)
+  assert _events(request, 2)[-1] == ("finished", "max_tokens")
+  assert not broken.is_set() and leader.counters["jobs_done"] == 1
+

@@ -9,6 +9,7 @@ stores): the test machine has 2 cores.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import ray
@@ -57,3 +58,12 @@ def labelled_ray_cluster(regions: tuple[str, ...] = ("a", "b")):
     if ray.is_initialized():
       ray.shutdown()
     cluster.shutdown()
+
+
+def process_alive(pid: int) -> bool:
+  """Whether a process (a server a Ray actor ran) still exists on this machine."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True

@@ -7,7 +7,6 @@ two-region serving path on Ray is in test_ray_e2e.py (slow).
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -23,7 +22,7 @@ from paas_jax.serving.pod_launch import PodFailure
 from paas_jax.serving.pod_ray import PodPlacement, run_ray
 from paas_jax.serving.ray_launch import RayCluster, RayPlacement, restart_args
 
-from tests.serving.ray_nodes import labelled_ray_cluster
+from tests.serving.ray_nodes import labelled_ray_cluster, process_alive
 from tests.serving.test_pod import pod_config
 
 
@@ -81,14 +80,6 @@ def _roundtrip(host: str, port: int, payload: bytes, timeout_s: float = 20.0) ->
       time.sleep(0.2)
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  return True
-
-
 def test_regions_land_on_their_nodes_and_a_killed_actor_comes_back(ray_nodes, tmp_path):
   _, nodes = ray_nodes
   spec = ClusterSpec(link=LinkSpec(bandwidth_bps=1e9, rtt_s=0.002), tls=True)
@@ -117,7 +108,7 @@ def test_regions_land_on_their_nodes_and_a_killed_actor_comes_back(ray_nodes, tm
     ray.kill(proc.actor, no_restart=False)
     second = cluster.wait_restarted("relay", 120)
     assert second["restarts"] == 1 and second["pid"] != first["pid"]
-    assert not _alive(first["pid"])
+    assert not process_alive(first["pid"])
     assert second["node_id"] == nodes["b"]
     assert _roundtrip(b_host, port, b"again") == b"again"
 
@@ -136,7 +127,7 @@ def test_regions_land_on_their_nodes_and_a_killed_actor_comes_back(ray_nodes, tm
   finally:
     cluster.stop()
     echo.close()
-  assert not _alive(third["pid"])
+  assert not process_alive(third["pid"])
   assert not cluster.groups
 
 

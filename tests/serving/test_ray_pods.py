@@ -10,7 +10,6 @@ the whole pod (slice) on the same ports and the next request is token-exact.
 
 from __future__ import annotations
 
-import os
 import time
 
 import grpc
@@ -23,7 +22,7 @@ from paas_jax.serving import launch_args, ray_pods
 from paas_jax.serving.launch import ClusterSpec
 from paas_jax.serving.ray_launch import RayCluster, RayPlacement
 
-from tests.serving.ray_nodes import labelled_ray_cluster
+from tests.serving.ray_nodes import labelled_ray_cluster, process_alive
 
 # -- per-process command lines (default suite) ------------------------------------
 
@@ -104,14 +103,6 @@ def _prompt(n: int, salt: int) -> list[int]:
   return [int(t) for t in np.random.default_rng(2600 + salt).integers(1, 256, n)]
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  return True
-
-
 def _remote_exact(client, reference, salt: int, deadline_s: float = 240):
   """A remote (PrfaaS) request, token-exact, once the broker routes to region A
   again (its health checks take a restarted pod back)."""
@@ -172,7 +163,7 @@ def test_pod_and_slice_as_actors_on_ray_nodes_restart_as_units(reference, tmp_pa
         old = {w["actor_pid"] for w in first["processes"]}
         assert not old & {w["actor_pid"] for w in again["processes"]}  # both replaced
         # The survivor was stopped, not left waiting in a collective (one machine here).
-        assert not [w["pid"] for w in first["processes"] if _alive(w["pid"])]
+        assert not [w["pid"] for w in first["processes"] if process_alive(w["pid"])]
         _remote_exact(client, reference, 2)
 
         # A slice process's actor is killed (a lost machine): the slice restarts whole.
@@ -182,7 +173,7 @@ def test_pod_and_slice_as_actors_on_ray_nodes_restart_as_units(reference, tmp_pa
         assert again["restarts"] == 1 and again["failures"][0]["process"] == 1
         assert again["slice_transfer"] == first["slice_transfer"]
         assert again["slice_data_plane_ports"] == first["slice_data_plane_ports"]
-        assert not [w["pid"] for w in first["processes"] if _alive(w["pid"])]
+        assert not [w["pid"] for w in first["processes"] if process_alive(w["pid"])]
         _remote_exact(client, reference, 3)
     finally:
       cluster.stop()

@@ -13,7 +13,6 @@ requests land on both slices, token-exact.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import time
 
@@ -32,7 +31,7 @@ from paas_jax.serving.node_pool import DecodeTarget, NodeKind
 from paas_jax.serving.ray_launch import RayCluster
 from paas_jax.serving.routing import StaticThresholdPolicy
 from tests.serving.test_pod_serving import _wait_remote
-from tests.serving.test_slice_pd_nodes import _context, _Region
+from tests.serving.test_slice_pd_nodes import _context, _Region, serve_in_pairs
 from tests.serving.test_slice_serving import _idle_stats
 
 TWO = ClusterSpec(prefill_pod=2, decode_slice=2, pd_nodes=2, slice_nodes=2, tls=True)
@@ -227,25 +226,10 @@ def test_two_slices_behind_one_broker_serve_token_exact(tmp_path, reference):
       assert [(r["shape"], r["role"]) for r in router["roles"]] == [("slice", "both")] * 2
       _wait_remote(client)
       before = {n: _idle_stats(cluster, n, serving_pb2_grpc.DecodeStub) for n in nodes}
-      jobs = [(_prompt(30 + 9 * i, i), route, temperature)
-              for i, (route, temperature) in enumerate(
-                  [("remote", 0.0), ("remote", 0.8), ("remote", 0.0), ("remote", 0.6),
-                   ("local", 0.0), ("local", 0.7)])]
-
-      def run(i):
-        prompt, route, temperature = jobs[i]
-        return client.generate(prompt_ids=prompt, max_new_tokens=8, route=route,
-                               request_id=f"two-slices-{i}", temperature=temperature, seed=7)
-      outs = []
       # Two at a time: the broker puts the second on the less loaded slice.
-      with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        for pair in ((0, 1), (2, 3), (4, 5)):
-          outs += list(pool.map(run, pair))
-      served = set()
-      for (prompt, route, temperature), out in zip(jobs, outs):
-        assert out.tokens == reference(tuple(prompt), 8, temperature, 0, 1.0, 7), out.summary
-        assert out.route == ("prfaas" if route == "remote" else "pdp"), out.summary
-        served.add((out.route, node_of[out.summary["decode_server"]]))
+      served = serve_in_pairs(client, reference, node_of, [
+          ("remote", 0.0), ("remote", 0.8), ("remote", 0.0), ("remote", 0.6),
+          ("local", 0.0), ("local", 0.7)], length_step=9, tag="two-slices", seed=7)
       assert {("prfaas", "decode"), ("prfaas", "decode1")} <= served, served
     after = {n: _idle_stats(cluster, n, serving_pb2_grpc.DecodeStub) for n in nodes}
     # Each slice's own counters: remote parts reached both of its processes.

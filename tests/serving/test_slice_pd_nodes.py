@@ -208,6 +208,29 @@ def test_a_slice_keeps_its_role_and_moves_only_the_single_nodes():
 def _prompt(n: int, salt: int) -> list[int]:
   return [int(t) for t in np.random.default_rng(2600 + salt).integers(1, 256, n)]
 
+def serve_in_pairs(client, reference, node_of: dict, routes: list[tuple[str, float]], *,
+                   length_step: int, tag: str, seed: int) -> set[tuple[str, str]]:
+  """Sends one request per (route, temperature), two at a time (the broker puts
+  the second of a pair on the less loaded node), checks each token-exact and on
+  the route asked for, and returns the (route, node name) pairs that served."""
+  jobs = [(_prompt(30 + length_step * i, i), route, temperature)
+          for i, (route, temperature) in enumerate(routes)]
+
+  def run(i):
+    prompt, route, temperature = jobs[i]
+    return client.generate(prompt_ids=prompt, max_new_tokens=8, route=route,
+                           request_id=f"{tag}-{i}", temperature=temperature, seed=seed)
+  outs = []
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    for pair in zip(range(0, len(jobs), 2), range(1, len(jobs), 2)):
+      outs += list(pool.map(run, pair))
+  served = set()
+  for (prompt, route, temperature), out in zip(jobs, outs):
+    assert out.tokens == reference(tuple(prompt), 8, temperature, 0, 1.0, seed), out.summary
+    assert out.route == ("prfaas" if route == "remote" else "pdp"), out.summary
+    served.add((out.route, node_of[out.summary["decode_server"]]))
+  return served
+
 
 @pytest.mark.slow  # a pod, a slice of two processes and a decode server start and compile
 @pytest.mark.timeout(1200)
@@ -232,24 +255,9 @@ def test_a_slice_and_a_single_node_behind_one_broker_serve_token_exact(tmp_path,
                 "decode1": _stats(cluster, "decode1", serving_pb2_grpc.DecodeStub)}
       # Two at a time: the broker puts the second on the less loaded node,
       # so each pair covers both nodes.
-      jobs = [(_prompt(30 + 11 * i, i), route, temperature)
-              for i, (route, temperature) in enumerate(
-                  [("remote", 0.0), ("remote", 0.8), ("local", 0.0), ("local", 0.7),
-                   ("remote", 0.5), ("local", 0.0)])]
-
-      def run(i):
-        prompt, route, temperature = jobs[i]
-        return client.generate(prompt_ids=prompt, max_new_tokens=8, route=route,
-                               request_id=f"mixed-{i}", temperature=temperature, seed=11)
-      outs = []
-      with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        for pair in ((0, 1), (2, 3), (4, 5)):
-          outs += list(pool.map(run, pair))
-      served = set()
-      for (prompt, route, temperature), out in zip(jobs, outs):
-        assert out.tokens == reference(tuple(prompt), 8, temperature, 0, 1.0, 11), out.summary
-        assert out.route == ("prfaas" if route == "remote" else "pdp"), out.summary
-        served.add((out.route, node_of[out.summary["decode_server"]]))
+      served = serve_in_pairs(client, reference, node_of, [
+          ("remote", 0.0), ("remote", 0.8), ("local", 0.0), ("local", 0.7),
+          ("remote", 0.5), ("local", 0.0)], length_step=11, tag="mixed", seed=11)
       # Offloaded and local requests landed on both nodes.
       assert served >= {("prfaas", "decode"), ("prfaas", "decode1"), ("pdp", "decode"),
                         ("pdp", "decode1")}, served

@@ -20,7 +20,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from paas_jax.models.config import ModelConfig
+from paas_jax.serving import ports
 from paas_jax.serving.pod_launch import LocalRun, PodFailure, request_specs
 from paas_jax.serving.ray_launch import REGION_SHARE, REPO, die_with_parent
 
@@ -60,9 +60,8 @@ class PodProcess:
             "node_id": ray.get_runtime_context().get_node_id()}
 
   def free_port(self) -> int:
-    with socket.socket() as s:
-      s.bind(("", 0))
-      return s.getsockname()[1]
+    """A port announced to the pod before its process binds it (ports.free_port)."""
+    return ports.free_port("")
 
   def run(self, spec: dict, devices: int, timeout_s: float) -> dict:
     """Runs the process to its end; its report plus where it ran. A nonzero

@@ -37,7 +37,7 @@ from typing import Sequence
 from absl import flags
 
 from paas_jax.serving import common
-from paas_jax.serving.pod_launch import free_port
+from paas_jax.serving.ports import free_port
 
 log = logging.getLogger("paas_jax.serving.pod_supervisor")
 FLAGS = flags.FLAGS

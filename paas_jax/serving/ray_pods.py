@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -39,6 +38,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from paas_jax.serving.child_process import LaunchError
 from paas_jax.serving.pod_supervisor import RegionProcesses, passed_on
+from paas_jax.serving.ports import free_port
 
 log = logging.getLogger("paas_jax.serving.ray_pods")
 
@@ -120,10 +120,9 @@ def process_env(region: RegionProcesses) -> dict[str, str]:
 
 @ray.remote(num_cpus=0)
 def _free_port() -> int:
-  """A free port on the node this runs on (a bundle's node)."""
-  with socket.socket() as s:
-    s.bind(("", 0))
-    return s.getsockname()[1]
+  """A free port on the node this runs on (a bundle's node), below the ephemeral
+  range: it is announced to the slice before its owner binds it."""
+  return free_port("")
 
 
 def bundle_nodes(group) -> list[str]:

@@ -108,14 +108,14 @@ class LaneCallbacks:
                       deadline=self._deadline, on_sent=self._plane_sent,
                       on_error=self._plane_error)
 
-  def _plane_sent(self, item: Outgoing) -> None:
+  def _plane_sent(self, item: Outgoing, resend: bool) -> None:
     if isinstance(item, BundleItem):
       for layer, nbytes, count in item.groups:
-        self._recorder.frame_sent(layer, nbytes, True, item.resend, chunks=count)
+        self._recorder.frame_sent(layer, nbytes, True, resend, chunks=count)
       self._link.sent_bytes(sum(nbytes for _, nbytes, _ in item.groups))
       return
     nbytes = item.nbytes if item.is_chunk else 0
-    self._recorder.frame_sent(item.layer, nbytes, item.is_chunk, item.resend)
+    self._recorder.frame_sent(item.layer, nbytes, item.is_chunk, resend)
     if nbytes:
       self._link.sent_bytes(nbytes)
 

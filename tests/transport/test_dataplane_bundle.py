@@ -128,6 +128,30 @@ def _flip_bundle(times: int | None, corrupted: list):
   return hook
 
 
+def test_a_nack_read_while_the_frame_is_written_counts_only_the_resend(
+    config, state, blobs, store_rx):
+  """The receiver can refuse a frame before the writer has noted it written
+  (seen once under load: the first write counted as a resend too, 2x the
+  objects resent). Simulated: the first BUNDLE is marked a resend while it is
+  written; only the real resend counts."""
+  rx = store_rx()
+  with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=1)) as sender:
+    _warm(sender, rx, config, state)
+    corrupted = []
+    flip = _flip_bundle(1, corrupted)
+
+    def nack_during_write(lane, item, payload):
+      out = flip(lane, item, payload)
+      if item.kind == frames.BUNDLE and item.attempt == 0:
+        item.resend = True  # what ``LaneStream.nacked`` does
+      return out
+
+    _record_kinds(sender, [], nack_during_write)
+    result = send(sender, config, state)
+    rx.receiver.ready.get(timeout=10).release()
+  assert corrupted == [0] and result.timeline.resent_chunks == len(blobs)
+
+
 def test_corrupted_bundle_is_refused_by_name_and_resent(config, state, blobs, store_rx):
   rx = store_rx()
   with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=1)) as sender:

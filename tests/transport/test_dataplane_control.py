@@ -183,7 +183,7 @@ def test_acks_of_frames_not_outstanding_break_the_connection(ack_offset):
   errors = []
   try:
     stream = LaneStream(pool, "t", lanes=1, max_queued_bytes=1 << 20,
-                        deadline=time.monotonic() + 20, on_sent=lambda item: None,
+                        deadline=time.monotonic() + 20, on_sent=lambda item, resend: None,
                         on_error=errors.append)
     for i in range(3):
       payload = b"x" * (i + 1)

@@ -178,6 +178,9 @@ class Lane:
     if dead is not None:
       stream.lane_died(self, items, dead)
       raise LaneDead()
+    # Whether each write is a resend, as of now: a NACK read while it is being
+    # written marks the item for the next write, not this one.
+    resends = [item.resend for item in items]
     views = []
     for item, seq in zip(items, seqs):
       views.append(memoryview(frames.pack_header(item.kind, seq, stream.tid, item.layer,
@@ -193,8 +196,8 @@ class Lane:
     self._write(views, stream)
     self.frames_sent += len(items)
     self.bytes_sent += size
-    for item in items:
-      stream.sent(item)
+    for item, resend in zip(items, resends):
+      stream.sent(item, resend)
 
   def _write(self, views: list[memoryview], stream) -> None:
     """Writes every byte of ``views`` (retrying partial writes and timeouts)."""

@@ -68,12 +68,14 @@ class LaneStream:
     lanes: connections to stripe over.
     max_queued_bytes: bound of frames queued and not yet written.
     deadline: monotonic time by which every frame must be acknowledged.
-    on_sent: ``f(item)`` after an item's last byte was written.
+    on_sent: ``f(item, resend)`` after an item's last byte was written
+      (``resend``: that write was a resend; ``item.resend`` may already say
+      so of its next one).
     on_error: ``f(TransferError)`` once, when the stream fails.
   """
 
   def __init__(self, pool, transfer_id: str, *, lanes: int, max_queued_bytes: int,
-               deadline: float, on_sent: Callable[[Outgoing], None],
+               deadline: float, on_sent: Callable[[Outgoing, bool], None],
                on_error: Callable[[TransferError], None]):
     self.transfer_id = transfer_id
     self.tid = transfer_id.encode()
@@ -334,9 +336,10 @@ class LaneStream:
       self._cv.notify_all()
     return [item]
 
-  def sent(self, item: Outgoing) -> None:
+  def sent(self, item: Outgoing, resend: bool) -> None:
+    """``item``'s last byte was written; ``resend``: that write was a resend."""
     item.sent_at = time.monotonic()
-    self._on_sent(item)
+    self._on_sent(item, resend)
 
   def acked(self, item: Outgoing, lane=None) -> None:
     """``item`` is stored at the receiver. ``lane``: the connection whose

@@ -113,8 +113,13 @@ class AttemptRunner:
         if pi is None:
           route = att.route = self._reroute(rec, PDP, "no healthy prefill server",
                                             fallback=True)
-      di = self.pool.pick(NodeKind.DECODE, bad_decode,
-                          prefer=resume.decode_index if resume else -1)
+      if resume is not None:
+        prefer = resume.decode_index
+      elif route == PDP and rec.pd_prefix_nodes:  # where the local prefill reuses the prefix
+        prefer = self.pool.decode_nodes_reusing(rec.pd_prefix_nodes)
+      else:
+        prefer = -1
+      di = self.pool.pick(NodeKind.DECODE, bad_decode, prefer=prefer)
       if resume is not None and di != resume.decode_index:
         resume = None  # the node holding the commit point is gone: a full prefill
       if di is None:
@@ -218,8 +223,8 @@ class AttemptRunner:
     colocated = self.pool.colocated(di)
     # Only a PD-P node that may hand ``di`` a whole state (node shapes: never
     # into a slice, never from one; a slice prefills its own: colocated).
-    ni = None if colocated else self.pool.pick(NodeKind.PDP, exclude={di},
-                                               prefer=rec.prefix_node, to=di)
+    prefer = rec.prefix_node if rec.prefix_node >= 0 else rec.pd_prefix_nodes
+    ni = None if colocated else self.pool.pick(NodeKind.PDP, exclude={di}, prefer=prefer, to=di)
     if ni is None:
       if not colocated:
         self.counters["pdp_colocated_fallback"] += 1

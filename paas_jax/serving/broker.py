@@ -285,7 +285,9 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     if (self.live is None or not self.live.probe_enabled
         or request.route != serving_pb2.ROUTE_AUTO or not self.prefill_targets):
       return self._decide(request, len(prompt))
-    rec.l_pd_cached, rec.l_prfaas_cached = self.live.probe_prefix(prompt)
+    probe = self.live.probe_prefix_nodes(prompt)
+    rec.l_pd_cached, rec.l_prfaas_cached = probe.pd_cached, probe.prfaas_cached
+    rec.pd_prefix_nodes = probe.pd_nodes
     return self.policy.decide(RouteRequest(prompt_tokens=len(prompt),
                                            cached_prefix_tokens=rec.l_pd_cached,
                                            prfaas_cached_tokens=rec.l_prfaas_cached))

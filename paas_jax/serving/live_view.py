@@ -43,6 +43,8 @@ per block) to a server whose block size and config fingerprint the polls have
 learned (``LoadReport.prefix_cache``), computed once per distinct pair with
 the cache's own ``block_hashes``; the ids (``prompt_ids``) only to a server
 not learned yet; nothing to a server without a prefix cache.
+``probe_prefix_nodes`` also says which PD nodes hold the longest PD-side
+prefix, so that the broker places a local request where its prefix lives.
 
 The long timescale: every ``rebalance_every_s`` the state fits prefill
 profiles to the broker's measured requests and runs a ``Rebalancer`` step
@@ -100,6 +102,20 @@ class LinkReport:
 _NO_CACHE = (0, "")
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefixProbe:
+  """What the regions' prefix caches hold of one prompt (tokens).
+
+  pd_cached / prfaas_cached: the longest cached prefix in each region (max
+  over its servers); pd_nodes: the PD nodes holding ``pd_cached`` (empty
+  when it is 0), where a local prefill would reuse it.
+  """
+
+  pd_cached: int = 0
+  prfaas_cached: int = 0
+  pd_nodes: tuple[int, ...] = ()
+
+
 class LiveClusterState:
   """Live inputs of ``PrfaasRouter``; see the module docstring."""
 
@@ -143,6 +159,7 @@ class LiveClusterState:
     self._probe_info: dict[tuple[str, int], tuple[int, str]] = {}
     self.probe_requests = 0  # probe RPCs sent
     self.probe_request_bytes = 0  # their serialized PrefixProbeRequest bytes
+    self.probe_enabled = True  # the broker probes before routing (--probe_prefix)
     # () -> (PD-P, PD-D) instances serving now (the broker's PD roles); None:
     # every PD node counts as PD-P (one colocated node).
     self.instance_counts: Callable[[], tuple[int, int]] | None = None
@@ -413,8 +430,13 @@ class LiveClusterState:
     return out
 
   def probe_prefix(self, prompt: Sequence[int]) -> tuple[int, int]:
-    """(l_pd_cached, l_prfaas_cached): the longest cached prefix in each region
-    (max over its servers); a server that does not answer in time, or answers
+    """(l_pd_cached, l_prfaas_cached) of ``probe_prefix_nodes``."""
+    probe = self.probe_prefix_nodes(prompt)
+    return probe.pd_cached, probe.prfaas_cached
+
+  def probe_prefix_nodes(self, prompt: Sequence[int]) -> PrefixProbe:
+    """The longest cached prefix in each region (max over its servers) and the
+    PD nodes holding it; a server that does not answer in time, or answers
     with an error, counts as 0. A FAILED_PRECONDITION answer to hashes (the
     server's block size changed, or its cache is gone) forgets what was learned
     of it: it gets ids until the next poll."""
@@ -427,6 +449,7 @@ class LiveClusterState:
         self.probe_requests += 1
         self.probe_request_bytes += req.ByteSize()
     best = {"pdp": 0, "prfaas": 0}
+    pd_by_node: dict[int, int] = {}
     for side, i, req, fut in futs:
       try:
         v = max(int(fut.result().cached_tokens), 0)
@@ -436,8 +459,12 @@ class LiveClusterState:
           self._probe_info.pop((side, i), None)
         continue
       best[side] = max(best[side], v)
+      if side == "pdp":
+        pd_by_node[i] = v
     n = len(prompt)
-    return min(best["pdp"], n), min(best["prfaas"], n)
+    pd = min(best["pdp"], n)
+    holders = tuple(sorted(i for i, v in pd_by_node.items() if v > 0 and min(v, n) == pd))
+    return PrefixProbe(pd, min(best["prfaas"], n), holders)
 
   def link_bytes_sent(self) -> float:
     """Bytes region A's senders put on the link so far (their last polled

@@ -35,7 +35,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Sequence
+from typing import Collection, Sequence
 
 import grpc
 
@@ -247,7 +247,7 @@ class NodePool:
 
   # -- picking --------------------------------------------------------------------
 
-  def pick(self, kind: NodeKind, exclude=(), prefer: int = -1,
+  def pick(self, kind: NodeKind, exclude=(), prefer: int | Collection[int] = -1,
            to: int | None = None) -> int | None:
     """The least loaded healthy node of ``kind`` not in ``exclude`` (None: none).
 
@@ -256,8 +256,9 @@ class NodePool:
     (colocated fallback), non-draining ones first; PDP: a PD node serving PD-P
     prefill (no fallback: the caller prefills colocated) whose shape serves
     Prefill to other nodes and, with ``to``, may hand a state to PD node
-    ``to`` (``pd_roles.can_hand_off``). ``prefer``: taken whenever it
-    qualifies (where a shipped prefix or a commit point waits).
+    ``to`` (``pd_roles.can_hand_off``). ``prefer``: a node, or nodes, taken
+    whenever one qualifies (where a shipped prefix, a commit point or the
+    longest cached prefix waits), the least loaded of them first.
     Counts one unit of load on the node until ``release``.
     """
     kind = NodeKind(kind)
@@ -276,7 +277,9 @@ class NodePool:
                  and (to is None or pd_roles.can_hand_off(self.shapes[i], self.shapes[to]))]
       if not order:
         return None
-      best = prefer if prefer in order else min(order, key=lambda i: self._load[(kind, i)])
+      preferred = {prefer} if isinstance(prefer, int) else set(prefer)
+      order = [i for i in order if i in preferred] or order
+      best = min(order, key=lambda i: self._load[(kind, i)])
       self._load[(kind, best)] += 1
       return best
 
@@ -302,6 +305,23 @@ class NodePool:
     return (len(self.decode_targets) == 1 or pd_roles.PREFILL in self._roles[di].serving
             or not self.shapes[di].whole_state_in)
 
+  def decode_nodes_reusing(self, holders: Collection[int]) -> set[int]:
+    """The PD nodes whose local attempt would reuse a prefix cached on
+    ``holders``: a holder that serves decode (it prefills colocated), and a
+    decode node that does not prefill itself and that a holder serving PD-P
+    may hand a state to (``pick(PDP, prefer=holders)`` then picks it)."""
+    with self._lock:
+      n, out = len(self.decode_targets), set()
+      for h in holders:
+        serving = self._roles[h].serving
+        if pd_roles.DECODE in serving:
+          out.add(h)
+        if pd_roles.PREFILL in serving and self.shapes[h].prefills_for_others:
+          out |= {i for i in range(n) if i != h and pd_roles.DECODE in self._roles[i].serving
+                  and not self._colocated_locked(i)
+                  and pd_roles.can_hand_off(self.shapes[h], self.shapes[i])}
+      return out
+
   def prefix_importer_node(self, di: int) -> int:
     """The PD node whose PD-P prefix cache should get a prefix from region A:
     the decode node when it prefills colocated, else the PD-P node a pdp
@@ -310,7 +330,7 @@ class NodePool:
     cache serves only its local prefills)."""
     with self._lock:
       if self._colocated_locked(di):
-        return di if self.shapes[di].prefix_cache else -1
+        return di if self.shapes[di].ships_prefixes else -1
       nodes = [i for i in range(len(self.decode_targets)) if i != di
                and pd_roles.PREFILL in self._roles[i].serving
                and pd_roles.can_hand_off(self.shapes[i], self.shapes[di])

@@ -60,9 +60,10 @@ class NodeShape:
   roles: the roles it may hold; whole_state_in: takes a whole state another
   PD node (PD-P) streams to its StateTransfer port; prefills_for_others:
   serves Prefill for another PD node; commit_points: resumes an attempt from
-  them (``resume_from``); prefix_cache: holds one the broker probes and
-  ships prefixes to and from (ExportPrefix target and source; a slice's own
-  local prefix cache is not one).
+  them (``resume_from``); ships_prefixes: its prefix cache (the broker
+  probes any node's) is also an ExportPrefix source and target, so that the
+  broker ships prefixes to and from it (a slice's cache is per process and
+  serves only its own local prefills).
   """
 
   name: str
@@ -70,7 +71,7 @@ class NodeShape:
   whole_state_in: bool
   prefills_for_others: bool
   commit_points: bool
-  prefix_cache: bool
+  ships_prefixes: bool
 
   @property
   def fixed_role(self) -> str | None:
@@ -79,12 +80,12 @@ class NodeShape:
 
 
 SINGLE = NodeShape("single", frozenset(ROLES), whole_state_in=True, prefills_for_others=True,
-                   commit_points=True, prefix_cache=True)
+                   commit_points=True, ships_prefixes=True)
 # A slice restores per-process parts in place (pod_transfer) and serves no
 # Prefill: a PD-P split can neither feed it nor be done by it, so it prefills
 # its own local requests ("both").
 SLICE = NodeShape("slice", frozenset({BOTH_ROLE}), whole_state_in=False,
-                  prefills_for_others=False, commit_points=False, prefix_cache=False)
+                  prefills_for_others=False, commit_points=False, ships_prefixes=False)
 
 
 def can_hand_off(src: NodeShape, dst: NodeShape) -> bool:

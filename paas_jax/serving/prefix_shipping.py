@@ -99,7 +99,7 @@ class PrefixShipper:
       # Only nodes whose shape ships prefixes export (a slice's cache is its own).
       order = [di] + [i for i in range(len(self.pool.decode_targets)) if i != di]
       exporters = [(self.pool.decode_stubs[i], self.pool.decode_targets[i].control) for i in order
-                   if self.pool.shapes[i].prefix_cache
+                   if self.pool.shapes[i].ships_prefixes
                    and self.pool.health.is_healthy(self.pool.decode_targets[i].control)]
       target, link = self.targets[pi], "B->A"
     rec.prefix_transfer = f"{src}->{route}"

@@ -57,6 +57,9 @@ class RequestRecord:
   prefix_transfer_s: float = 0.0
   prefix_transfer_error: str = ""
   prefix_node: int = -1  # the PD node a prefix was shipped to (its PD-P should prefill)
+  # The PD nodes whose prefix caches hold l_pd_cached (the probe): a local
+  # prefill goes to one of them to reuse it.
+  pd_prefix_nodes: tuple = ()
   transfer_s: float = 0.0
   decode_queue_s: float = 0.0
   link_bytes: int = 0

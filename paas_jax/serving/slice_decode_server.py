@@ -24,10 +24,11 @@ so that the broker asks the pod for per-process parts; Decode, Handoff,
 GetLoad, GetStats and the health service work as on a single-process decode
 server. With --prefix_block > 0 every process keeps a prefix cache of its own
 shards for the slice's local prefills (``slice_prefix``; --prefix_cache_mb per
-process; GetStats reports its hits as a decode server does); it is neither
-probed nor shipped: ProbePrefix and ExportPrefix answer FAILED_PRECONDITION,
-as does the Prefill service (it is not served: a slice is not a PD-P node for
-another node). Requests are continuously
+process; GetStats reports its hits as a decode server does). GetLoad announces
+it and ProbePrefix answers from process 0's cache, so the broker routes by it;
+it is not shipped: ExportPrefix answers FAILED_PRECONDITION, as does the
+Prefill service (it is not served: a slice is not a PD-P node for another
+node). Requests are continuously
 batched: up to --slice_slots decode at once, in lockstep rounds that process
 0 composes (``slice_leader``) and every process runs (``slice_batch``).
 """
@@ -68,15 +69,14 @@ FLAGS = flags.FLAGS
 
 @dataclasses.dataclass(frozen=True)
 class _NoPrefixCache:
-  """What control_plane reads of an engine: the broker sees no prefix cache on a
-  slice (its local one, if any, is not probed: pd_roles.SLICE ships none)."""
+  """What control_plane reads of an engine without a prefix cache (--prefix_block=0)."""
 
   prefix_cache: None = None
 
 
-# Why a slice answers ProbePrefix / ExportPrefix with FAILED_PRECONDITION.
+# Why a slice answers ExportPrefix with FAILED_PRECONDITION.
 NOT_SHIPPED = ("a decode slice's prefix cache (if any) serves only its own local prefills: "
-               "it is not probed and ships no prefixes")
+               "it ships no prefixes (the broker probes it to route local requests there)")
 
 
 class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
@@ -213,13 +213,18 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
 
   def GetLoad(self, request, context):
     return control_plane.load_report(
-        control_plane.DECODE, engine=_NoPrefixCache(), link_counters=self.link_counters,
+        control_plane.DECODE, engine=self._prefix, link_counters=self.link_counters,
         prefill_queue_depth=0, prefill_queue_limit=self.max_queue,
         decode_stats={"slots_total": self.leader.batch.slots,
                       "slots_busy": self.leader.rows_busy, "waiting": self._waiting()})
 
   def ProbePrefix(self, request, context):
-    context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ProbePrefix: {NOT_SHIPPED}")
+    return control_plane.probe_prefix(self._prefix, request, context)
+
+  @property
+  def _prefix(self):
+    """Process 0's ``SlicePrefix`` (what ``control_plane`` reads of an engine)."""
+    return self.leader.batch.prefix or _NoPrefixCache()
 
   def GetModel(self, request, context):
     served = control_plane.served_model(self.config, max_model_len=self.max_ctx)
@@ -238,7 +243,7 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
              slice_parts_in=batch.parts.parts_in,
              slice_parts_pending=batch.parts.pending(),
              uptime_s=time.time() - self.started)
-    s.update(common.prefix_cache_gauges(batch.prefix or _NoPrefixCache()))
+    s.update(common.prefix_cache_gauges(self._prefix))
     return serving_pb2.StatsResponse(
         server="decode", gauges={k: float(v) for k, v in s.items()},
         json=json.dumps({"model": self.config.name, "fingerprint": self.config.fingerprint(),

@@ -28,8 +28,12 @@ see the model tests), keeps its block of the recurrent layers at each
 boundary, and afterwards inserts every boundary's KV blocks (from one copy of
 the final state) and checkpoint.
 
-Not done here: the slice's cache is not probed by the broker nor shipped to or
-from another node (ProbePrefix / ExportPrefix stay refused; ``pd_roles.SLICE``).
+Process 0 answers the broker's ProbePrefix from its own cache
+(``cached_prefix_tokens``; every process's holds the same blocks), so the
+broker routes a prompt whose prefix the slice holds to the slice's local
+prefill. Not done here: shipping prefixes to or from a slice (ExportPrefix
+stays refused; ``pd_roles.SLICE.ships_prefixes``): a shipped prefix would
+have to arrive as per-process parts, as a state does.
 """
 
 from __future__ import annotations
@@ -127,6 +131,20 @@ class SlicePrefix:
   @property
   def block_size(self) -> int:
     return self.prefix_cache.block_size
+
+  # ProbePrefix (``control_plane.probe_prefix``), as on a ``PrefillEngine``: no
+  # lock, so a probe never waits for a round; a dict resized under it reports a miss.
+  def cached_prefix_tokens(self, prompt: Sequence[int]) -> int:
+    try:
+      return self.prefix_cache.match_length(prompt) if prompt else 0
+    except RuntimeError:
+      return 0
+
+  def cached_prefix_tokens_hashed(self, hashes: Sequence[bytes]) -> int:
+    try:
+      return self.prefix_cache.match_length_hashes(hashes) if hashes else 0
+    except RuntimeError:
+      return 0
 
   def _layout(self, capacity: int):
     """(treedef, [(global shape, dtype, sharding)] per leaf) of a batch-1 state

@@ -50,6 +50,25 @@ def test_prefer_wins_when_it_qualifies(pool):
   assert pool.pick(NodeKind.DECODE, prefer=2) in (0, 1)  # PD-P only: not a decode node
 
 
+def test_preferred_nodes_share_the_load_among_themselves(pool):
+  picks = [pool.pick(NodeKind.DECODE, prefer={0, 1, 2}) for _ in range(4)]
+  assert sorted(picks) == [0, 0, 1, 1]  # node 2 does not qualify; 0 and 1 alternate
+  assert pool.pick(NodeKind.DECODE, prefer={1}) == 1  # one preferred: even more loaded
+  assert pool.pick(NodeKind.DECODE, prefer=set()) == 0  # none: the least loaded
+
+
+def test_the_nodes_that_reuse_a_prefix_follow_roles_and_shapes(pool):
+  # pdd, pdd, pdp: a prefix on PD-P node 2 is reused by a local request decoded
+  # on 0 or 1 (node 2 prefills it for them); one on node 0 only by node 0.
+  assert pool.decode_nodes_reusing({2}) == {0, 1}
+  assert pool.decode_nodes_reusing({0}) == {0}
+  assert pool.decode_nodes_reusing(()) == set()
+  pool.set_roles(["both", "pdd", "pdp"], reason="test")
+  # Node 0 prefills its own requests now: node 2's prefix reaches only node 1.
+  assert pool.decode_nodes_reusing({2}) == {1}
+  assert pool.decode_nodes_reusing({0}) == {0, 1}  # itself, and node 1 through its PD-P
+
+
 def test_drain_completes_on_release(pool):
   d = pool.pick(NodeKind.DECODE, prefer=0)
   assert d == 0

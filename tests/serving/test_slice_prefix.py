@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import types
 
 import grpc
 import jax
@@ -32,8 +33,10 @@ from paas_jax.serving import common, lockstep, logprob_check, pod
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
 from paas_jax.serving.slice_batch import SliceBatch, SliceRound
 from paas_jax.serving.slice_decode import SliceJob, SliceParts
+from paas_jax.serving.slice_decode_server import SliceDecodeServicer
 from paas_jax.serving.slice_prefix import PrefixDisagreement, SlicePrefix
 from paas_jax.serving.validation import RequestParams
+from paas_jax.state.prefix_cache import block_hashes, probe_tokens
 from tests.serving.test_pod import pod_config
 
 CONFIG = pod_config("tiny_gdn_gqa")  # GDN (checkpoints) and attention (KV blocks), split 2 ways
@@ -112,6 +115,44 @@ def test_a_local_prefill_continues_from_a_cached_prefix_token_and_logprob_exact(
   # The first prompt's 3 whole blocks (57 tokens) and the second's: shared, no new one.
   assert gauges["prefix_blocks"] == 3 and gauges["prefix_checkpoints"] == 3
   assert batch.state is None and batch.active() == 0
+
+
+class _AbortContext:
+  def abort(self, code, details):
+    raise grpc.RpcError(code, details)
+
+
+def test_the_broker_can_probe_the_slices_cache(model, sharded, mesh):
+  """Process 0's Decode service answers ProbePrefix from its cache, by ids and by
+  the block hashes GetLoad's announcement lets the broker send; ExportPrefix
+  stays refused. A slice without a cache announces none and refuses probes."""
+  batch = _batch(sharded, mesh)
+  leader = types.SimpleNamespace(batch=batch, rows_busy=0, queue_depth=0)
+  servicer = SliceDecodeServicer(CONFIG, leader, serving_pb2.DecodeSlice(), max_ctx=256)
+  prompt = SHARED + _tokens(6, 30)
+  probe = serving_pb2.PrefixProbeRequest(prompt_ids=prompt)
+  assert servicer.ProbePrefix(probe, _AbortContext()).cached_tokens == 0
+  _local(batch, 1, "a", SHARED + _tokens(5, 31), _params())
+  assert servicer.ProbePrefix(probe, _AbortContext()).cached_tokens == len(SHARED)
+  info = servicer.GetLoad(serving_pb2.LoadRequest(), None).prefix_cache
+  assert (info.enabled, info.block_tokens) == (True, BLOCK)
+  hashes = block_hashes(probe_tokens(prompt), info.block_tokens, info.config_fingerprint)
+  hashed = serving_pb2.PrefixProbeRequest(block_hashes=hashes, block_tokens=BLOCK)
+  assert servicer.ProbePrefix(hashed, _AbortContext()).cached_tokens == len(SHARED)
+  # Negative control: another prompt of the same length is a miss.
+  other = serving_pb2.PrefixProbeRequest(prompt_ids=_tokens(len(prompt), 32))
+  assert servicer.ProbePrefix(other, _AbortContext()).cached_tokens == 0
+  with pytest.raises(grpc.RpcError) as e:
+    servicer.ExportPrefix(serving_pb2.ExportPrefixRequest(), _AbortContext())
+  assert e.value.args[0] == grpc.StatusCode.FAILED_PRECONDITION
+  bare = SliceDecodeServicer(CONFIG, types.SimpleNamespace(
+      batch=types.SimpleNamespace(prefix=None, slots=2), rows_busy=0, queue_depth=0),
+      serving_pb2.DecodeSlice(), max_ctx=256)
+  assert not bare.GetLoad(serving_pb2.LoadRequest(), None).prefix_cache.enabled
+  with pytest.raises(grpc.RpcError) as e:
+    bare.ProbePrefix(probe, _AbortContext())
+  assert e.value.args == (grpc.StatusCode.FAILED_PRECONDITION,
+                          "ProbePrefix: this server has no prefix cache")
 
 
 @pytest.mark.parametrize("part", ["block", "checkpoint"])
@@ -280,8 +321,10 @@ def test_evictions_under_a_small_budget_keep_every_request_exact(model, sharded,
 @pytest.mark.timeout(1200)
 def test_a_real_slice_reuses_a_prefix_across_local_requests_token_exact(
     tmp_path, reference, assert_logprobs):
+  # The adaptive router probes both regions' prefix caches before it routes.
   spec = ClusterSpec(n_slots=2, max_queue=8, max_ctx=256, prefill_buckets=(64,),
-                     prefill_max_batch=1, threshold=16, decode_slice=2, prefix_block=BLOCK)
+                     prefill_max_batch=1, threshold=16, decode_slice=2, prefix_block=BLOCK,
+                     router="adaptive")
   cluster = LocalCluster(spec, tmp_path).start()
   try:
     assert f"--prefix_block={BLOCK}" in cluster.procs["decode"].args
@@ -298,14 +341,24 @@ def test_a_real_slice_reuses_a_prefix_across_local_requests_token_exact(
         assert out.summary["cached_tokens"] == (0 if i == 0 else 3 * BLOCK), out.summary
         assert out.tokens == reference(tuple(prompt), 6, temperature, 0, 1.0, 4), i
         assert_logprobs(prompt, out)
+      # Routed by the slice's cache: 57 tokens > t = 16 would offload, but the
+      # broker's probe finds 48 of them on the slice, so the tail (9) stays local
+      # and the slice prefills it from its cache. A prompt of the same length
+      # that nothing holds (the negative control) is offloaded.
+      for rid, prompt, route, cached in (("auto-hit", shared + _tokens(9, 23), "pdp", 3 * BLOCK),
+                                         ("auto-miss", _tokens(57, 24), "prfaas", 0)):
+        out = client.generate(prompt_ids=prompt, max_new_tokens=6, request_id=rid, seed=4)
+        assert out.route == route and out.summary["cached_tokens"] == cached, out.summary
+        assert out.tokens == reference(tuple(prompt), 6, 0.0, 0, 1.0, 4), rid
     stats = _idle_slice_stats(cluster)
     assert stats["slice_processes"] == 2 and stats["prefix_cache_enabled"] == 1.0
-    assert (stats["prefix_hits"], stats["prefix_misses"]) == (1.0, 1.0), stats
-    assert stats["prefix_hit_tokens"] == 3 * BLOCK and stats.get("jobs_failed", 0) == 0
-    # The slice's cache is for its own prefills: never probed or shipped.
+    assert (stats["prefix_hits"], stats["prefix_misses"]) == (2.0, 1.0), stats
+    assert stats["prefix_hit_tokens"] == 6 * BLOCK and stats.get("jobs_failed", 0) == 0
+    # The slice's cache is for its own prefills: never shipped.
     with cluster.channel("decode") as ch, pytest.raises(grpc.RpcError) as e:
-      serving_pb2_grpc.DecodeStub(ch).ProbePrefix(
-          serving_pb2.PrefixProbeRequest(prompt_ids=shared), timeout=30)
+      serving_pb2_grpc.DecodeStub(ch).ExportPrefix(serving_pb2.ExportPrefixRequest(
+          transfer_id="x", prompt_ids=shared + [1], max_tokens=3 * BLOCK, target="x:1"),
+          timeout=30)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "only its own local prefills" in e.value.details()
   finally:

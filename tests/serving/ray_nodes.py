@@ -9,7 +9,8 @@ stores): the test machine has 2 cores.
 from __future__ import annotations
 
 import contextlib
-import os
+import pathlib
+import time
 import warnings
 
 import ray
@@ -61,9 +62,21 @@ def labelled_ray_cluster(regions: tuple[str, ...] = ("a", "b")):
 
 
 def process_alive(pid: int) -> bool:
-  """Whether a process (a server a Ray actor ran) still exists on this machine."""
+  """Whether a process (a server a Ray actor ran) still runs on this machine (a
+  zombie, dead but not yet reaped by whoever inherited it, does not)."""
   try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
+    state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):
     return False
+  return state not in ("Z", "X")
+
+
+def process_gone(pid: int, timeout_s: float = 30.0) -> bool:
+  """Whether the process is gone within ``timeout_s``: a killed actor's server
+  dies by its parent-death signal, which takes a moment to arrive and act."""
+  deadline = time.monotonic() + timeout_s
+  while process_alive(pid):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.1)
   return True

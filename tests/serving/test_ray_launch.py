@@ -22,7 +22,7 @@ from paas_jax.serving.pod_launch import PodFailure
 from paas_jax.serving.pod_ray import PodPlacement, run_ray
 from paas_jax.serving.ray_launch import RayCluster, RayPlacement, restart_args
 
-from tests.serving.ray_nodes import labelled_ray_cluster, process_alive
+from tests.serving.ray_nodes import labelled_ray_cluster, process_gone
 from tests.serving.test_pod import pod_config
 
 
@@ -108,7 +108,7 @@ def test_regions_land_on_their_nodes_and_a_killed_actor_comes_back(ray_nodes, tm
     ray.kill(proc.actor, no_restart=False)
     second = cluster.wait_restarted("relay", 120)
     assert second["restarts"] == 1 and second["pid"] != first["pid"]
-    assert not process_alive(first["pid"])
+    assert process_gone(first["pid"])
     assert second["node_id"] == nodes["b"]
     assert _roundtrip(b_host, port, b"again") == b"again"
 
@@ -127,7 +127,7 @@ def test_regions_land_on_their_nodes_and_a_killed_actor_comes_back(ray_nodes, tm
   finally:
     cluster.stop()
     echo.close()
-  assert not process_alive(third["pid"])
+  assert process_gone(third["pid"])
   assert not cluster.groups
 
 

@@ -22,7 +22,7 @@ from paas_jax.serving import launch_args, ray_pods
 from paas_jax.serving.launch import ClusterSpec
 from paas_jax.serving.ray_launch import RayCluster, RayPlacement
 
-from tests.serving.ray_nodes import labelled_ray_cluster, process_alive
+from tests.serving.ray_nodes import labelled_ray_cluster, process_gone
 
 # -- per-process command lines (default suite) ------------------------------------
 
@@ -163,7 +163,7 @@ def test_pod_and_slice_as_actors_on_ray_nodes_restart_as_units(reference, tmp_pa
         old = {w["actor_pid"] for w in first["processes"]}
         assert not old & {w["actor_pid"] for w in again["processes"]}  # both replaced
         # The survivor was stopped, not left waiting in a collective (one machine here).
-        assert not [w["pid"] for w in first["processes"] if process_alive(w["pid"])]
+        assert all(process_gone(w["pid"]) for w in first["processes"])
         _remote_exact(client, reference, 2)
 
         # A slice process's actor is killed (a lost machine): the slice restarts whole.
@@ -173,7 +173,7 @@ def test_pod_and_slice_as_actors_on_ray_nodes_restart_as_units(reference, tmp_pa
         assert again["restarts"] == 1 and again["failures"][0]["process"] == 1
         assert again["slice_transfer"] == first["slice_transfer"]
         assert again["slice_data_plane_ports"] == first["slice_data_plane_ports"]
-        assert not [w["pid"] for w in first["processes"] if process_alive(w["pid"])]
+        assert all(process_gone(w["pid"]) for w in first["processes"])
         _remote_exact(client, reference, 3)
     finally:
       cluster.stop()

@@ -39,7 +39,7 @@ import uuid
 from typing import Sequence
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from paas_jax.serving.child_process import LaunchError, stop_process
@@ -344,10 +344,6 @@ class RayCluster(LocalCluster):
       raise LaunchError("netem='netns' needs one host; on Ray use the relay")
     if spec.flaky_wan:
       raise LaunchError("flaky_wan runs in the launcher's process; not on Ray")
-    if spec.decode_slice > 1 and spec.slice_nodes > 1:
-      # ray_pods places one slice (PD node 0) in its own region-B group.
-      raise LaunchError(f"slice_nodes={spec.slice_nodes}: on Ray region B has one decode "
-                        "slice (PD node 0); run several slices with LocalCluster")
     if not ray.is_initialized():
       if p.address:
         ray.init(address=p.address, namespace=p.namespace, log_to_driver=False)
@@ -361,15 +357,21 @@ class RayCluster(LocalCluster):
     self.groups["a"] = placement_group([self._bundle("a", True)] * layout.pod,
                                        strategy=p.region_a_strategy,
                                        name=f"paas-{self.cluster_id}-region-a")
+    # Each slice (PD nodes 0 .. slices - 1) in its own group, every process 0 on
+    # the node of the first one's, and region B's other processes beside them:
+    # the broker and the relay reach every PD node on region B's address.
     target = None
-    if layout.slice:  # the slice (PD node 0) in its own group; region B's rest beside process 0
-      self.groups["b-slice"] = placement_group(
+    for node in range(layout.slices):
+      key = ray_pods.slice_group(node)
+      # Process 0 of a later slice on the first one's node (a Ray node-id label).
+      pin = None if target is None else [{NODE_ID_LABEL_KEY: target}] + [{}] * (layout.slice - 1)
+      self.groups[key] = placement_group(
           [self._bundle("b", True)] * layout.slice, strategy=p.region_b_slice_strategy,
-          name=f"paas-{self.cluster_id}-region-b-slice")
-      self._wait_placed("b-slice", self.groups["b-slice"])
-      target = ray_pods.bundle_nodes(self.groups["b-slice"])[0]
+          name=f"paas-{self.cluster_id}-region-{key}", bundle_label_selector=pin)
+      self._wait_placed(key, self.groups[key])
+      target = target or ray_pods.bundle_nodes(self.groups[key])[0]
     for region in self.decode_regions:
-      servers = spec.pd_nodes - (layout.slice > 0 and region == "b")
+      servers = spec.pd_nodes - (layout.slices if region == "b" else 0)
       bundles = [self._bundle(region, True)] * servers + [
           self._bundle(region, False)] * (self._decode_region_processes(region) - spec.pd_nodes)
       self.groups[region] = placement_group(
@@ -379,10 +381,14 @@ class RayCluster(LocalCluster):
       self._wait_placed(region, group)
       # Bundle 0 is a pod's (a slice's) process 0: the node that serves its ports.
       self.nodes[region] = ray_pods.bundle_nodes(group)[0]
-    if target is not None and self.nodes["b"] != target:
-      raise LaunchError("region B's processes and its decode slice's process 0 were placed "
-                        "on different nodes; the broker dials the slice on region B's node")
-    self.nodes.pop("b-slice", None)
+    slice_keys = [ray_pods.slice_group(n) for n in range(layout.slices)]
+    apart = [k for k in slice_keys if self.nodes[k] != self.nodes["b"]]
+    if apart:
+      raise LaunchError(f"region B's processes and the process 0 of {', '.join(apart)} were "
+                        "placed on different nodes; the broker dials every slice on region "
+                        "B's node")
+    for key in slice_keys:
+      self.nodes.pop(key)
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     self.a_host = ips[self.nodes["a"]]
     # A decode region's processes bind and are dialled on its node's address.
@@ -423,7 +429,8 @@ class RayCluster(LocalCluster):
     except ValueError as e:
       raise LaunchError(f"{name}: {e}") from None
     if region_procs is not None:  # a pod / slice: one actor per process (ray_pods)
-      group = self.groups["b-slice" if region_procs.kind == "slice" else region]
+      group = self.groups[ray_pods.slice_group(ray_pods.slice_node_of(name))
+                          if region_procs.kind == "slice" else region]
       return ray_pods.RegionGroup(self, name, args, region_procs, group, ServerProcess,
                                   self._bundle(region, True), previous=self.procs.get(name))
     if name in self._bundles:  # a restart goes back to its bundle

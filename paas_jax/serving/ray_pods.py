@@ -368,14 +368,33 @@ class RegionGroup:
 
 @dataclasses.dataclass(frozen=True)
 class GroupLayout:
-  """The bundles of a cluster's pod (region A) and slice (region B) groups."""
+  """The bundles of a cluster's pod (region A) and slice (region B) groups:
+  ``slice`` processes in each of ``slices`` slice groups (PD nodes 0 ..
+  ``slices`` - 1)."""
 
   pod: int
   slice: int
+  slices: int = 0
 
 
 def layout_of(spec) -> GroupLayout:
-  """A prefill pod's processes fill region A's group; a decode slice's its own
-  region-B group (the slice is PD node 0, the other PD nodes in region B's)."""
-  return GroupLayout(pod=max(1, spec.prefill_pod),
-                     slice=spec.decode_slice if spec.decode_slice > 1 else 0)
+  """A prefill pod's processes fill region A's group; each decode slice's its
+  own region-B group (the slices are PD nodes 0 .. ``slice_nodes`` - 1, the
+  other PD nodes in region B's)."""
+  sliced = spec.decode_slice > 1
+  return GroupLayout(pod=max(1, spec.prefill_pod), slice=spec.decode_slice if sliced else 0,
+                     slices=spec.slice_nodes if sliced else 0)
+
+
+def slice_group(node: int) -> str:
+  """The placement-group key of PD node ``node``'s slice."""
+  return "b-slice" if node == 0 else f"b-slice{node}"
+
+
+def slice_node_of(name: str) -> int:
+  """The PD node a slice server's name (``decode``, ``decode1``, ...) is."""
+  base = name.rsplit(".", 1)[-1]
+  suffix = base[len("decode"):] if base.startswith("decode") else None
+  if suffix is None or not (suffix == "" or suffix.isdigit()):
+    raise ValueError(f"{name!r} is not a PD node's name (decode, decode1, ...)")
+  return int(suffix or 0)

@@ -8,7 +8,8 @@ to its own slice's processes only.
 
 Cluster part (slow): region A a pod of two processes, region B two slices of
 two processes ("decode", "decode1") behind one broker, relay and TLS; remote
-requests land on both slices, token-exact.
+requests land on both slices, token-exact. The same cluster under Ray, on two
+region-labelled Ray nodes: each slice in its own placement group.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from paas_jax.models import load_config
 from paas_jax.netem import LinkSpec
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.serving import broker as broker_lib
-from paas_jax.serving import launch_args, launch_routes, pd_roles
+from paas_jax.serving import launch_args, launch_routes, pd_roles, ray_pods
 from paas_jax.serving.child_process import LaunchError
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
 from paas_jax.serving.node_pool import DecodeTarget, NodeKind
-from paas_jax.serving.ray_launch import RayCluster
+from paas_jax.serving.ray_launch import RayCluster, RayPlacement
 from paas_jax.serving.routing import StaticThresholdPolicy
+from tests.serving.ray_nodes import labelled_ray_cluster
 from tests.serving.test_pod_serving import _wait_remote
 from tests.serving.test_slice_pd_nodes import _context, _Region, serve_in_pairs
 from tests.serving.test_slice_serving import _idle_stats
@@ -75,9 +77,16 @@ def test_slice_nodes_that_cannot_run_are_refused_naming_the_flag(change, match):
     LocalCluster(dataclasses.replace(TWO, **change)).start()
 
 
-def test_ray_refuses_more_than_one_slice_before_it_starts_anything():
-  with pytest.raises(LaunchError, match="slice_nodes=2: on Ray region B has one decode slice"):
-    RayCluster(TWO).start()
+def test_on_ray_each_slice_node_has_its_own_placement_group():
+  layout = ray_pods.layout_of(dataclasses.replace(TWO, pd_nodes=3))
+  assert (layout.pod, layout.slice, layout.slices) == (2, 2, 2)
+  assert ray_pods.layout_of(dataclasses.replace(TWO, decode_slice=1, slice_nodes=1)).slices == 0
+  assert [ray_pods.slice_group(ray_pods.slice_node_of(n)) for n in ("decode", "decode1",
+                                                                    "decode12")] == [
+      "b-slice", "b-slice1", "b-slice12"]
+  for bad in ("prefill", "decodex", "decode-1"):
+    with pytest.raises(ValueError, match="not a PD node's name"):
+      ray_pods.slice_node_of(bad)
 
 
 def _ready(q_ports, node):
@@ -201,45 +210,75 @@ def _route_bytes(cluster, names, timeout_s: float = 30.0) -> dict:
     time.sleep(0.2)
 
 
-@pytest.mark.slow  # a pod and two slices of two processes each start and compile
-@pytest.mark.timeout(1500)
-def test_two_slices_behind_one_broker_serve_token_exact(tmp_path, reference):
-  spec = ClusterSpec(n_slots=4, max_queue=8, max_ctx=256, prefill_buckets=(64,),
+# A pod and two slices of two processes each, with a relay and TLS.
+SERVED = ClusterSpec(n_slots=4, max_queue=8, max_ctx=256, prefill_buckets=(64,),
                      prefill_max_batch=1, threshold=16, prefill_pod=2, decode_slice=2,
                      pd_nodes=2, slice_nodes=2,
                      link=LinkSpec(bandwidth_bps=200e6, rtt_s=0.01), tls=True)
-  cluster = LocalCluster(spec, tmp_path).start()
+
+
+@pytest.mark.slow  # a pod and two slices of two processes each start and compile
+@pytest.mark.timeout(1500)
+def test_two_slices_behind_one_broker_serve_token_exact(tmp_path, reference):
+  cluster = LocalCluster(SERVED, tmp_path).start()
   try:
-    nodes = ("decode", "decode1")
-    for n, name in enumerate(nodes):
-      assert "paas_jax.serving.slice_decode_server" in cluster.procs[name].args
-      assert any(a.startswith("--slice_tls_names=") for a in cluster.procs[name].args)
-    # Each slice its own processes and ports: nothing shared between the two.
-    infos = [cluster.procs[n].info for n in nodes]
-    assert not set(infos[0]["slice_transfer"]) & set(infos[1]["slice_transfer"])
-    assert not set(infos[0]["slice_data_plane_ports"]) & set(infos[1]["slice_data_plane_ports"])
-    assert not set(infos[0]["pod_pids"]) & set(infos[1]["pod_pids"])
-    node_of = {cluster.pd_address(n): n for n in nodes}
-    with BrokerClient(cluster.broker_address, timeout_s=180,
-                      credentials=cluster.client_credentials()) as client:
-      router = client.stats()["router"]
-      assert [(r["shape"], r["role"]) for r in router["roles"]] == [("slice", "both")] * 2
-      _wait_remote(client)
-      before = {n: _idle_stats(cluster, n, serving_pb2_grpc.DecodeStub) for n in nodes}
-      # Two at a time: the broker puts the second on the less loaded slice.
-      served = serve_in_pairs(client, reference, node_of, [
-          ("remote", 0.0), ("remote", 0.8), ("remote", 0.0), ("remote", 0.6),
-          ("local", 0.0), ("local", 0.7)], length_step=9, tag="two-slices", seed=7)
-      assert {("prfaas", "decode"), ("prfaas", "decode1")} <= served, served
-    after = {n: _idle_stats(cluster, n, serving_pb2_grpc.DecodeStub) for n in nodes}
-    # Each slice's own counters: remote parts reached both of its processes.
-    for n in nodes:
-      s, b0 = after[n], before[n]
-      assert s["jobs_done"] - b0.get("jobs_done", 0) >= 1, (n, s)
-      assert s.get("jobs_failed", 0) == 0 and s["slice_parts_pending"] == 0, (n, s)
-      assert all(s[f"slice_bytes_in:{q}"] > b0.get(f"slice_bytes_in:{q}", 0)
-                 for q in (0, 1)), (n, s)
-    # Both slices' process-1 data planes were reached through their own relay routes.
-    _route_bytes(cluster, ["slicedataplane1", "node1slicedataplane1"])
+    _serve_on_two_slices(cluster, reference)
   finally:
     cluster.stop()
+
+
+@pytest.mark.slow  # the same on two region-labelled Ray nodes, every process an actor
+@pytest.mark.timeout(1500)
+def test_two_slices_on_ray_serve_token_exact(tmp_path, reference):
+  with labelled_ray_cluster() as (_, ray_nodes):  # region_a: 2 CPUs, region_b: 4
+    cluster = RayCluster(SERVED, tmp_path, RayPlacement(address="auto", cpus_per_server=0.5))
+    try:
+      cluster.start()
+      groups = [cluster.procs[n] for n in ("decode", "decode1")]
+      # Each slice its own placement group, both on region B's node (process 0
+      # of the second pinned beside the first's).
+      assert [g.info["placement_group"] for g in groups] == [
+          cluster.groups[k].id.hex() for k in ("b-slice", "b-slice1")]
+      assert {w["node_id"] for g in groups for w in g.info["processes"]} == {ray_nodes["b"]}
+      _serve_on_two_slices(cluster, reference)
+    finally:
+      cluster.stop()
+    assert not cluster.groups
+
+
+def _serve_on_two_slices(cluster, reference):
+  """Remote and local requests on both slices, token-exact, each slice with
+  its own processes, ports, counters and relay routes."""
+  nodes = ("decode", "decode1")
+  for n, name in enumerate(nodes):
+    assert "paas_jax.serving.slice_decode_server" in cluster.procs[name].args
+    assert any(a.startswith("--slice_tls_names=") for a in cluster.procs[name].args)
+  # Each slice its own processes and ports: nothing shared between the two.
+  infos = [cluster.procs[n].info for n in nodes]
+  assert not set(infos[0]["slice_transfer"]) & set(infos[1]["slice_transfer"])
+  assert not set(infos[0]["slice_data_plane_ports"]) & set(infos[1]["slice_data_plane_ports"])
+  # (a local supervisor lists its children; on Ray each process is an actor's)
+  pids = [set(i.get("pod_pids") or [w["pid"] for w in i["processes"]]) for i in infos]
+  assert len(pids[0]) == len(pids[1]) == 2 and not pids[0] & pids[1]
+  node_of = {cluster.pd_address(n): n for n in nodes}
+  with BrokerClient(cluster.broker_address, timeout_s=180,
+                    credentials=cluster.client_credentials()) as client:
+    router = client.stats()["router"]
+    assert [(r["shape"], r["role"]) for r in router["roles"]] == [("slice", "both")] * 2
+    _wait_remote(client)
+    before = {n: _idle_stats(cluster, n, serving_pb2_grpc.DecodeStub) for n in nodes}
+    # Two at a time: the broker puts the second on the less loaded slice.
+    served = serve_in_pairs(client, reference, node_of, [
+        ("remote", 0.0), ("remote", 0.8), ("remote", 0.0), ("remote", 0.6),
+        ("local", 0.0), ("local", 0.7)], length_step=9, tag="two-slices", seed=7)
+    assert {("prfaas", "decode"), ("prfaas", "decode1")} <= served, served
+  after = {n: _idle_stats(cluster, n, serving_pb2_grpc.DecodeStub) for n in nodes}
+  # Each slice's own counters: remote parts reached both of its processes.
+  for n in nodes:
+    s, b0 = after[n], before[n]
+    assert s["jobs_done"] - b0.get("jobs_done", 0) >= 1, (n, s)
+    assert s.get("jobs_failed", 0) == 0 and s["slice_parts_pending"] == 0, (n, s)
+    assert all(s[f"slice_bytes_in:{q}"] > b0.get(f"slice_bytes_in:{q}", 0)
+               for q in (0, 1)), (n, s)
+  # Both slices' process-1 data planes were reached through their own relay routes.
+  _route_bytes(cluster, ["slicedataplane1", "node1slicedataplane1"])

@@ -134,12 +134,7 @@ def synchronized_call(jitted, static: tuple[int, ...], args: tuple, barrier, nam
   to join, and a process still compiling (compiles take long on a loaded
   host) would fail the others; compiling first makes the collectives start
   together. Compiled programs are kept per (function, static args, avals)."""
-  dynamic = tuple(a for i, a in enumerate(args) if i not in static)
-  leaves, treedef = jax.tree_util.tree_flatten(dynamic)
-  statics = tuple(args[i] for i in static)
-  key = (name, tuple(_static_key(a) for a in statics), treedef,
-         tuple((np.shape(x), getattr(x, "dtype", type(x)), getattr(x, "sharding", None))
-               for x in leaves))
+  key, dynamic, statics = _program_key(static, args, name)
   entry = _COMPILED.get(key)
   if entry is None:
     # The static arguments stay referenced so that an id in the key is never reused.
@@ -147,6 +142,45 @@ def synchronized_call(jitted, static: tuple[int, ...], args: tuple, barrier, nam
     barrier(name)
     _COMPILED[key] = entry
   return entry[0](*dynamic)
+
+
+def precompile(jitted, static: tuple[int, ...], args: tuple, name: str) -> bool:
+  """Compiles what ``synchronized_call(jitted, static, args, ..., name)`` would,
+  without running it (so without any collective): ``args``' dynamic leaves may
+  be ``jax.ShapeDtypeStruct``s carrying the arrays' shardings. Returns whether
+  it compiled (False: already compiled)."""
+  key, _, statics = _program_key(static, args, name)
+  if key in _COMPILED:
+    return False
+  _COMPILED[key] = (jitted.lower(*args).compile(), statics)
+  return True
+
+
+def _program_key(static: tuple[int, ...], args: tuple, name: str):
+  """(key of the compiled program, dynamic args, static args): a program per
+  function name, static arguments and the dynamic leaves' shapes, dtypes and
+  shardings (an array and a ``ShapeDtypeStruct`` alike)."""
+  dynamic = tuple(a for i, a in enumerate(args) if i not in static)
+  leaves, treedef = jax.tree_util.tree_flatten(dynamic)
+  statics = tuple(args[i] for i in static)
+  key = (name, tuple(_static_key(a) for a in statics), treedef,
+         tuple((np.shape(x), getattr(x, "dtype", type(x)),
+                _canonical_sharding(getattr(x, "sharding", None))) for x in leaves))
+  return key, dynamic, statics
+
+
+@functools.lru_cache(maxsize=1024)
+def _canonical_sharding(sharding):
+  """``sharding`` with a ``NamedSharding``'s trailing unsharded axes dropped:
+  ``P(None, "tp", None, None)`` (what ``state_shardings`` says) and
+  ``P(None, "tp")`` (what a program's output carries) are one layout, and so
+  one compiled program."""
+  if not isinstance(sharding, NamedSharding):
+    return sharding
+  spec = list(sharding.spec)
+  while spec and spec[-1] is None:
+    spec.pop()
+  return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
 
 
 def _static_key(x):
@@ -203,6 +237,19 @@ def state_shardings(config: ModelConfig, mesh: Mesh, batch: int, capacity: int) 
       [NamedSharding(mesh, PartitionSpec(*specs[n])) for n in names])
 
 
+@functools.lru_cache(maxsize=128)
+def _empty_state_program(config: ModelConfig, batch: int, capacity: int,
+                         shardings: "StaticShardings"):
+  return jax.jit(lambda: init_state(config, batch, capacity), out_shardings=shardings.tree)
+
+
+def empty_state(config: ModelConfig, mesh: Mesh, batch: int, capacity: int) -> DecodeState:
+  """An all-zeros ``DecodeState`` [batch, capacity] sharded by ``state_shardings``
+  (one compiled program per shape, not one per call)."""
+  shardings = StaticShardings(state_shardings(config, mesh, batch, capacity))
+  return _empty_state_program(config, batch, capacity, shardings)()
+
+
 def replicated(mesh: Mesh, value) -> jax.Array:
   """A global array holding the same host ``value`` on every device of ``mesh``
   (every process passes the same value)."""
@@ -257,7 +304,7 @@ def _sharded_prefill_logits(graphdef, params, tokens, state, n_valid, out_shardi
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _sharded_probe_logits(graphdef, params, tokens, state, capacity, whole):
+def sharded_probe_logits(graphdef, params, tokens, state, capacity, whole):
   logits, _ = nnx.merge(graphdef, params).step(tokens, state.grow(capacity))
   return jax.lax.with_sharding_constraint(logits.astype(jnp.float32), whole)
 
@@ -281,8 +328,7 @@ def region_prefill(model: Model, mesh: Mesh, prompt: Sequence[int], capacity: in
   shardings = state_shardings(config, mesh, 1, capacity)
   tokens = np.zeros((1, prefill_bucket(seq)), np.int32)
   tokens[0, :seq] = prompt
-  state = jax.jit(lambda: init_state(config, 1, capacity),
-                  out_shardings=shardings)()
+  state = empty_state(config, mesh, 1, capacity)
   token, state = synchronized_call(
       _sharded_prefill, (0, 5),
       (model.graphdef, model.params, replicated(mesh, tokens), state,
@@ -314,7 +360,7 @@ def region_prefill_logits(model: Model, mesh: Mesh, prompt: Sequence[int],
   shardings = state_shardings(config, mesh, 1, capacity)
   tokens = np.zeros((1, prefill_bucket(seq)), np.int32)
   tokens[0, :seq] = prompt
-  state = jax.jit(lambda: init_state(config, 1, capacity), out_shardings=shardings)()
+  state = empty_state(config, mesh, 1, capacity)
   logits, state = synchronized_call(
       _sharded_prefill_logits, (0, 5, 6),
       (model.graphdef, model.params, replicated(mesh, tokens), state,
@@ -330,7 +376,7 @@ def region_probe_logits(model: Model, mesh: Mesh, state: DecodeState, token: int
   ``token``, the state grown to ``capacity`` first (``logit_probe.probe_logits``
   on a region; every process calls it; ``state`` is not modified)."""
   logits = synchronized_call(
-      _sharded_probe_logits, (0, 4, 5),
+      sharded_probe_logits, (0, 4, 5),
       (model.graphdef, model.params, replicated(mesh, np.array([token], np.int32)), state,
        int(capacity), NamedSharding(mesh, PartitionSpec())), barrier, "probe")
   return np.asarray(logits.addressable_data(0))[0]

@@ -61,7 +61,7 @@ from paas_jax.serving.slice_decode import (SliceJob, SliceParts, SliceReceiveErr
 from paas_jax.serving.slice_prefix import SlicePrefix
 from paas_jax.serving.token_logprob_ops import rows_logprobs
 from paas_jax.serving.validation import RequestParams
-from paas_jax.state import abstract_state, init_state, logit_probe
+from paas_jax.state import DecodeState, abstract_state, logit_probe
 
 ROUNDS = "sliceround"  # the rounds in the region's key-value store
 READY = "sliceready"   # READY/<request>/<process>: that process's parts verdict
@@ -267,6 +267,51 @@ class SliceBatch:
       self._resize(self._width_for(self._highest_row()), self.capacity)
     return report
 
+  def precompile(self, max_ctx: int) -> int:
+    """Compiles, before any round, the decode step and the row insert of every
+    batch width (1, 2, 4, .. ``slots``) and context octave a request of up to
+    ``max_ctx`` positions can reach (``decode_capacity``), and the handoff
+    probe's step at each octave, so that no round stops to compile them: all
+    processes compile in lockstep there, which took minutes a round on a
+    loaded CPU host (requests then met their deadlines). Nothing runs, so no
+    collective: each process does this on its own, before it serves, and all
+    end up with the same programs (a program one process has and another
+    compiles mid-round would make the others wait in its collectives).
+    Returns the programs compiled."""
+    widths = sorted({self._width_for(row) for row in range(self.slots)})
+    capacities = []
+    capacity = decode_capacity(1, 0)
+    while capacity <= decode_capacity(max_ctx, 0):
+      capacities.append(capacity)
+      capacity *= 2
+    slot = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=self.whole)
+    compiled = 0
+    token = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=self.whole)
+    for capacity in capacities:
+      one = self._abstract(1, capacity)
+      compiled += pod.precompile(
+          pod.sharded_probe_logits, (0, 4, 5),
+          (self.model.graphdef, self.model.params, token, one, capacity, self.whole), "probe")
+      for width in widths:
+        shardings = pod.StaticShardings(pod.state_shardings(self.config, self.mesh, width,
+                                                            capacity))
+        state = self._abstract(width, capacity)
+        rows = lambda dtype: jax.ShapeDtypeStruct((width,), dtype, sharding=self.whole)
+        compiled += pod.precompile(
+            _batch_step, (0, 5, 6), (self.model.graphdef, self.model.params, rows(jnp.int32),
+                                     state, rows(jnp.bool_), shardings, self.whole),
+            "slice_step")
+        compiled += pod.precompile(_insert_row, (3,), (state, one, slot, shardings),
+                                   "slice_insert")
+    return compiled
+
+  def _abstract(self, width: int, capacity: int) -> DecodeState:
+    """The batch's state [width, capacity] as ``ShapeDtypeStruct``s with its shardings."""
+    return jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract_state(self.config, width, capacity),
+        pod.state_shardings(self.config, self.mesh, width, capacity))
+
   def _highest_row(self) -> int:
     return max(i for i, r in enumerate(self.rows) if r is not None)
 
@@ -277,9 +322,7 @@ class SliceBatch:
     self.width, self.capacity = width, capacity
     self._shardings = pod.state_shardings(self.config, self.mesh, width, capacity)
     if self.state is None:
-      config = self.config
-      self.state = jax.jit(lambda: init_state(config, width, capacity),
-                           out_shardings=self._shardings)()
+      self.state = pod.empty_state(self.config, self.mesh, width, capacity)
       return
     self.state = pod.synchronized_call(
         _resize_batch, (1, 2, 3),

@@ -288,6 +288,10 @@ def process_main() -> None:
             if FLAGS.prefix_block > 0 else None)
   batch = SliceBatch(model, mesh, region, parts, slots=FLAGS.slice_slots, kv=kv,
                      prefix=prefix)
+  precompile_s = time.time()
+  programs = batch.precompile(max_ctx) if FLAGS.slice_precompile else 0
+  precompile_s = time.time() - precompile_s
+  log.info("slice process %d compiled %d programs in %.1f s", pid, programs, precompile_s)
   address = f"{FLAGS.advertise_host or FLAGS.host}:{transfer.port}"
   if kv is not None:  # process 0 announces every process's transfer address
     kv.key_value_set(f"slice/transfer/{pid}", address)
@@ -322,7 +326,8 @@ def process_main() -> None:
       "pid": os.getpid(), "port": control.port, "transfer_port": transfer.port,
       "data_plane_port": data_plane_port, "slice_data_plane_ports": data_plane_ports,
       "slice_transfer": addresses, "metrics_port": metrics_port, "model": model.config.name,
-      "slice": region.to_dict(), "startup_s": time.time() - t0})
+      "slice": region.to_dict(), "precompiled_programs": programs,
+      "precompile_s": precompile_s, "startup_s": time.time() - t0})
   log.info("decode slice process 0 on %s:%d (Q=%d, TP=%d), transfer %s", FLAGS.host,
            control.port, region.num_processes, region.tp, addresses)
 
@@ -378,6 +383,10 @@ def define_flags() -> None:
                        "batched state).")
   flags.DEFINE_integer("slice_steps_per_round", 4, "Decode steps per lockstep round while "
                        "no request waits (a waiting request joins after one step).")
+  flags.DEFINE_bool("slice_precompile", True, "Compile the decode step and row insert of "
+                    "every batch width and context octave up to --max_ctx before serving "
+                    "(SliceBatch.precompile); off, the first rounds compile them in lockstep "
+                    "while requests wait.")
 
 
 def main(argv):

@@ -51,7 +51,7 @@ from paas_jax.models.api import Model, prefill_bucket
 from paas_jax.models.config import ModelConfig
 from paas_jax.models.kinds import PrefixRule, kind_spec
 from paas_jax.serving import pod
-from paas_jax.state import DecodeState, abstract_state, init_state
+from paas_jax.state import DecodeState, abstract_state
 from paas_jax.state.prefix_cache import HybridPrefixCache
 
 # agree(mine) -> every process's ``mine`` in rank order (``lockstep.agree``).
@@ -240,8 +240,7 @@ class SlicePrefix:
     self.prefix_reused_tokens += reused
     shardings = pod.state_shardings(self.config, self.mesh, 1, capacity)
     if cached is None:
-      config = self.config
-      state = jax.jit(lambda: init_state(config, 1, capacity), out_shardings=shardings)()
+      state = pod.empty_state(self.config, self.mesh, 1, capacity)
     else:
       state = self.assemble(capacity, [self.shards(cached, capacity)])
     whole = NamedSharding(self.mesh, PartitionSpec())

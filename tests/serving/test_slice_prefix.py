@@ -117,6 +117,35 @@ def test_a_local_prefill_continues_from_a_cached_prefix_token_and_logprob_exact(
   assert batch.state is None and batch.active() == 0
 
 
+def _programs(*names) -> set:
+  return {k for k in pod._COMPILED if k[0] in names}  # pylint: disable=protected-access
+
+
+def test_a_precompiled_slice_compiles_no_step_or_insert_in_its_rounds(
+    model, sharded, mesh, monkeypatch):
+  """``SliceBatch.precompile`` compiles every width's and context octave's step
+  and row insert up front (no execution); rounds then only run them, token-exact.
+  Negative control: without it the same round compiles both."""
+  prompt, params = _tokens(40, 50), _params()
+  want, _ = _reference(model, prompt, params)
+  monkeypatch.setattr(pod, "_COMPILED", {})
+  batch = _batch(sharded, mesh)
+  # Widths 1 and 2 (two slots), context octaves 64 .. 256 (max_ctx 128 -> 256):
+  # a step and an insert per pair, a handoff probe per octave.
+  assert batch.precompile(max_ctx=128) == 2 * 3 * 2 + 3
+  assert batch.precompile(max_ctx=128) == 0  # all there already
+  before = _programs("slice_step", "slice_insert")
+  _, tokens, _, _ = _local(batch, 1, "a", prompt, params)
+  assert tokens == want
+  assert _programs("slice_step", "slice_insert") == before
+  monkeypatch.setattr(pod, "_COMPILED", {})
+  cold = _batch(sharded, mesh)
+  _, tokens, _, _ = _local(cold, 1, "b", prompt, params)
+  assert tokens == want
+  assert {k[0] for k in _programs("slice_step", "slice_insert")} == {"slice_step",
+                                                                     "slice_insert"}
+
+
 class _AbortContext:
   def abort(self, code, details):
     raise grpc.RpcError(code, details)

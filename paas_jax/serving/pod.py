@@ -104,25 +104,33 @@ def kv_client():
   return distributed.global_state.client
 
 
+# How long a process waits at the barrier after compiling for its peers to
+# finish compiling the same program: compiles on a loaded host took minutes
+# (a pod's warm-up failed once at the region's 60 s); a peer that dies meanwhile
+# still ends the wait (the coordination service and the supervisor).
+COMPILE_SKEW_S = 600.0
+
+
 class Barrier:
   """Named barriers of one region through the coordinator, each with the
   region's deadline: ``barrier("prefill")`` returns once every process got
-  there, or raises after ``timeout_s`` (a dead or stuck peer)."""
+  there, or raises after ``timeout_s`` (a dead or stuck peer; at least
+  ``COMPILE_SKEW_S`` with ``after_compile``)."""
 
   def __init__(self, spec: RegionSpec):
     self.spec = spec
     self._count = 0
 
-  def __call__(self, name: str) -> None:
+  def __call__(self, name: str, after_compile: bool = False) -> None:
     if self.spec.num_processes == 1:
       return
     self._count += 1
-    kv_client().wait_at_barrier(f"region/{name}/{self._count}",
-                                int(self.spec.timeout_s * 1000))
+    timeout_s = max(self.spec.timeout_s, COMPILE_SKEW_S) if after_compile else self.spec.timeout_s
+    kv_client().wait_at_barrier(f"region/{name}/{self._count}", int(timeout_s * 1000))
 
 
-def _no_barrier(name: str) -> None:
-  del name
+def _no_barrier(name: str, after_compile: bool = False) -> None:
+  del name, after_compile
 
 
 _COMPILED: dict = {}
@@ -139,7 +147,7 @@ def synchronized_call(jitted, static: tuple[int, ...], args: tuple, barrier, nam
   if entry is None:
     # The static arguments stay referenced so that an id in the key is never reused.
     entry = (jitted.lower(*args).compile(), statics)
-    barrier(name)
+    barrier(name, after_compile=True)
     _COMPILED[key] = entry
   return entry[0](*dynamic)
 

@@ -274,7 +274,8 @@ def _prefill_in_lockstep(sharded, mesh, caches, prompt, key):
   def run(p):
     agree = lambda mine: lockstep.agree(kv, key, p, len(caches), 30.0, mine)
     try:
-      logits, _, cached = caches[p].prefill(sharded, prompt, 128, lambda name: None, agree)
+      logits, _, cached = caches[p].prefill(sharded, prompt, 128,
+                                            lambda name, after_compile=False: None, agree)
       out[p] = (logits, cached)
     except PrefixDisagreement as e:
       out[p] = e

@@ -117,6 +117,8 @@ class AttemptRunner:
         prefer = resume.decode_index
       elif route == PDP and rec.pd_prefix_nodes:  # where the local prefill reuses the prefix
         prefer = self.pool.decode_nodes_reusing(rec.pd_prefix_nodes)
+      elif rec.pd_prefix_nodes:  # a decode node holding the prefix is sent only the rest
+        prefer = self.pool.decode_nodes_holding(rec.pd_prefix_nodes)
       else:
         prefer = -1
       di = self.pool.pick(NodeKind.DECODE, bad_decode, prefer=prefer)

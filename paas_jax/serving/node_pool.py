@@ -322,6 +322,14 @@ class NodePool:
                   and pd_roles.can_hand_off(self.shapes[h], self.shapes[i])}
       return out
 
+  def decode_nodes_holding(self, holders: Collection[int]) -> set[int]:
+    """The holders that serve decode and keep a remote request's cached prefix
+    as its first commit segment (``state_intake``: region A then sends only
+    the rest; a slice does not)."""
+    with self._lock:
+      return {h for h in holders if pd_roles.DECODE in self._roles[h].serving
+              and self.shapes[h].commit_points}
+
   def prefix_importer_node(self, di: int) -> int:
     """The PD node whose PD-P prefix cache should get a prefix from region A:
     the decode node when it prefills colocated, else the PD-P node a pdp

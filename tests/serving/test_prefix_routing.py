@@ -9,7 +9,9 @@ unless a PD node holds a prefix; then only its uncached tail counts, it stays
 local, and it is prefilled where that prefix lives: on the slice itself, or by
 PD-P node 2 for PD-D node 1. The negative control is the same requests with
 the probe's node list dropped (the broker of before): they spread over the
-nodes by load, so prefills miss the cache.
+nodes by load, so prefills miss the cache. A prompt whose tail alone still
+offloads is decoded on a holder that keeps the prefix for it (region A then
+sends only the rest), never on the slice for that reason.
 """
 
 from __future__ import annotations
@@ -105,5 +107,22 @@ def test_negative_control_without_the_holders_prefills_miss_the_cache():
     assert all(r.route == "pdp" and not r.pd_prefix_nodes for r in records)
     decoded_on, _ = _where(b, records)
     assert 0 in decoded_on  # prefilled on the slice, whose cache has no such prefix
+  finally:
+    b.close()
+
+
+LONG = PREFIX + [100 + i % 150 for i in range(150)]  # 246 tokens: its tail (150) offloads
+
+
+@pytest.mark.parametrize("holders, decoded_on", [
+    ({1}, {1}),       # PD-D node 1 keeps the prefix for a remote request
+    ({0}, {0, 1}),    # the slice keeps none for remote requests: no preference
+])
+def test_a_remote_request_is_decoded_where_its_prefix_is_held(holders, decoded_on):
+  b, _ = _routed_broker(holders)
+  try:
+    records = _generate(b, 4, prompt=LONG)
+    assert all(r.route == "prfaas" and set(r.pd_prefix_nodes) == holders for r in records)
+    assert _where(b, records)[0] == decoded_on
   finally:
     b.close()

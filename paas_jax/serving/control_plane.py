@@ -96,7 +96,8 @@ def load_report(server: str, *, engine, link_counters, prefill_queue_depth: int,
 
 def probe_prefix(engine, request, context) -> serving_pb2.PrefixProbeResponse:
   """``ProbePrefix``: the longest prefix of the probed prompt the engine's prefix
-  cache would reuse; aborts with the status ``serving.proto`` names."""
+  cache (``engine.prefix_cache``: a ``PrefillEngine``'s, a ``SlicePrefix``'s, or
+  None) would reuse; aborts with the status ``serving.proto`` names."""
   # Deferred: paas_jax.state loads JAX; the broker imports this module, the
   # servers (which have JAX loaded already) call this function.
   from paas_jax.state.prefix_cache import HASH_BYTES  # pylint: disable=g-import-not-at-top
@@ -125,8 +126,7 @@ def probe_prefix(engine, request, context) -> serving_pb2.PrefixProbeResponse:
     context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                   f"ProbePrefix: block_tokens is {block} but this server's prefix cache "
                   f"uses {cache.block_size}-token blocks")
-  tokens = (engine.cached_prefix_tokens_hashed(list(hashes)) if hashed
-            else engine.cached_prefix_tokens(list(ids)))
+  tokens = cache.probe_hashes(list(hashes)) if hashed else cache.probe(list(ids))
   return serving_pb2.PrefixProbeResponse(cached_tokens=int(tokens))
 
 

@@ -251,11 +251,10 @@ def _empty_state_program(config: ModelConfig, batch: int, capacity: int,
   return jax.jit(lambda: init_state(config, batch, capacity), out_shardings=shardings.tree)
 
 
-def empty_state(config: ModelConfig, mesh: Mesh, batch: int, capacity: int) -> DecodeState:
-  """An all-zeros ``DecodeState`` [batch, capacity] sharded by ``state_shardings``
-  (one compiled program per shape, not one per call)."""
-  shardings = StaticShardings(state_shardings(config, mesh, batch, capacity))
-  return _empty_state_program(config, batch, capacity, shardings)()
+def empty_state(config: ModelConfig, batch: int, capacity: int, shardings) -> DecodeState:
+  """An all-zeros ``DecodeState`` [batch, capacity] placed by ``shardings``
+  (``state_shardings``'s tree; one compiled program per shape, not one per call)."""
+  return _empty_state_program(config, batch, capacity, StaticShardings(shardings))()
 
 
 def replicated(mesh: Mesh, value) -> jax.Array:
@@ -336,7 +335,7 @@ def region_prefill(model: Model, mesh: Mesh, prompt: Sequence[int], capacity: in
   shardings = state_shardings(config, mesh, 1, capacity)
   tokens = np.zeros((1, prefill_bucket(seq)), np.int32)
   tokens[0, :seq] = prompt
-  state = empty_state(config, mesh, 1, capacity)
+  state = empty_state(config, 1, capacity, shardings)
   token, state = synchronized_call(
       _sharded_prefill, (0, 5),
       (model.graphdef, model.params, replicated(mesh, tokens), state,
@@ -368,7 +367,7 @@ def region_prefill_logits(model: Model, mesh: Mesh, prompt: Sequence[int],
   shardings = state_shardings(config, mesh, 1, capacity)
   tokens = np.zeros((1, prefill_bucket(seq)), np.int32)
   tokens[0, :seq] = prompt
-  state = empty_state(config, mesh, 1, capacity)
+  state = empty_state(config, 1, capacity, shardings)
   logits, state = synchronized_call(
       _sharded_prefill_logits, (0, 5, 6),
       (model.graphdef, model.params, replicated(mesh, tokens), state,

@@ -117,25 +117,9 @@ class PrefillEngine:
                                             capacity_bytes=config.prefix_cache_bytes)
 
   def cached_prefix_tokens(self, prompt: Sequence[int]) -> int:
-    """Longest prefix of ``prompt`` the prefix cache would reuse (0 without one)."""
-    if self.prefix_cache is None or not prompt:
-      return 0
-    # No lock: a probe must not wait for a running prefill. Membership tests on
-    # the cache's dicts are atomic, so the answer is at worst slightly stale.
-    try:
-      return self.prefix_cache.match_length(prompt)
-    except RuntimeError:  # a dict resized under us; report a miss
-      return 0
-
-  def cached_prefix_tokens_hashed(self, hashes: Sequence[bytes]) -> int:
-    """``cached_prefix_tokens`` from the prompt's block hashes (a broker's
-    ``PrefixProbeRequest.block_hashes``: blocks of prompt[:len-1]); tokens, 0 without a cache."""
-    if self.prefix_cache is None or not hashes:
-      return 0
-    try:  # no lock, as above
-      return self.prefix_cache.match_length_hashes(hashes)
-    except RuntimeError:
-      return 0
+    """Longest prefix of ``prompt`` the prefix cache would reuse (0 without one;
+    no lock: ``HybridPrefixCache.probe``)."""
+    return 0 if self.prefix_cache is None else self.prefix_cache.probe(prompt)
 
   def release_prefix(self, owner: str) -> int:
     """Drops the prefix-cache entries tagged with ``owner``; returns bytes freed now.

@@ -284,33 +284,33 @@ class SliceBatch:
     while capacity <= decode_capacity(max_ctx, 0):
       capacities.append(capacity)
       capacity *= 2
-    slot = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=self.whole)
+    # The probe's fed token and the insert's row: one replicated int32 each.
+    scalar = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=self.whole)
     compiled = 0
-    token = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=self.whole)
     for capacity in capacities:
-      one = self._abstract(1, capacity)
+      one, _ = self._abstract(1, capacity)
       compiled += pod.precompile(
           pod.sharded_probe_logits, (0, 4, 5),
-          (self.model.graphdef, self.model.params, token, one, capacity, self.whole), "probe")
+          (self.model.graphdef, self.model.params, scalar, one, capacity, self.whole), "probe")
       for width in widths:
-        shardings = pod.StaticShardings(pod.state_shardings(self.config, self.mesh, width,
-                                                            capacity))
-        state = self._abstract(width, capacity)
+        state, shardings = self._abstract(width, capacity)
         rows = lambda dtype: jax.ShapeDtypeStruct((width,), dtype, sharding=self.whole)
         compiled += pod.precompile(
             _batch_step, (0, 5, 6), (self.model.graphdef, self.model.params, rows(jnp.int32),
                                      state, rows(jnp.bool_), shardings, self.whole),
             "slice_step")
-        compiled += pod.precompile(_insert_row, (3,), (state, one, slot, shardings),
+        compiled += pod.precompile(_insert_row, (3,), (state, one, scalar, shardings),
                                    "slice_insert")
     return compiled
 
-  def _abstract(self, width: int, capacity: int) -> DecodeState:
-    """The batch's state [width, capacity] as ``ShapeDtypeStruct``s with its shardings."""
-    return jax.tree_util.tree_map(
+  def _abstract(self, width: int, capacity: int) -> tuple[DecodeState, pod.StaticShardings]:
+    """The batch's state [width, capacity] as ``ShapeDtypeStruct``s carrying its
+    shardings, and those shardings (as the rounds pass them)."""
+    shardings = pod.state_shardings(self.config, self.mesh, width, capacity)
+    state = jax.tree_util.tree_map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        abstract_state(self.config, width, capacity),
-        pod.state_shardings(self.config, self.mesh, width, capacity))
+        abstract_state(self.config, width, capacity), shardings)
+    return state, pod.StaticShardings(shardings)
 
   def _highest_row(self) -> int:
     return max(i for i, r in enumerate(self.rows) if r is not None)
@@ -322,7 +322,7 @@ class SliceBatch:
     self.width, self.capacity = width, capacity
     self._shardings = pod.state_shardings(self.config, self.mesh, width, capacity)
     if self.state is None:
-      self.state = pod.empty_state(self.config, self.mesh, width, capacity)
+      self.state = pod.empty_state(self.config, width, capacity, self._shardings)
       return
     self.state = pod.synchronized_call(
         _resize_batch, (1, 2, 3),

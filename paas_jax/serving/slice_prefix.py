@@ -29,7 +29,7 @@ boundary, and afterwards inserts every boundary's KV blocks (from one copy of
 the final state) and checkpoint.
 
 Process 0 answers the broker's ProbePrefix from its own cache
-(``cached_prefix_tokens``; every process's holds the same blocks), so the
+(``control_plane.probe_prefix``; every process's holds the same blocks), so the
 broker routes a prompt whose prefix the slice holds to the slice's local
 prefill. Not done here: shipping prefixes to or from a slice (ExportPrefix
 stays refused; ``pd_roles.SLICE.ships_prefixes``): a shipped prefix would
@@ -132,20 +132,6 @@ class SlicePrefix:
   def block_size(self) -> int:
     return self.prefix_cache.block_size
 
-  # ProbePrefix (``control_plane.probe_prefix``), as on a ``PrefillEngine``: no
-  # lock, so a probe never waits for a round; a dict resized under it reports a miss.
-  def cached_prefix_tokens(self, prompt: Sequence[int]) -> int:
-    try:
-      return self.prefix_cache.match_length(prompt) if prompt else 0
-    except RuntimeError:
-      return 0
-
-  def cached_prefix_tokens_hashed(self, hashes: Sequence[bytes]) -> int:
-    try:
-      return self.prefix_cache.match_length_hashes(hashes) if hashes else 0
-    except RuntimeError:
-      return 0
-
   def _layout(self, capacity: int):
     """(treedef, [(global shape, dtype, sharding)] per leaf) of a batch-1 state
     (kept per capacity: a slice uses a few, powers of two)."""
@@ -240,7 +226,7 @@ class SlicePrefix:
     self.prefix_reused_tokens += reused
     shardings = pod.state_shardings(self.config, self.mesh, 1, capacity)
     if cached is None:
-      state = pod.empty_state(self.config, self.mesh, 1, capacity)
+      state = pod.empty_state(self.config, 1, capacity, shardings)
     else:
       state = self.assemble(capacity, [self.shards(cached, capacity)])
     whole = NamedSharding(self.mesh, PartitionSpec())

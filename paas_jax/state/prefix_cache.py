@@ -154,6 +154,24 @@ class HybridPrefixCache:
         best = (i + 1) * self.block_size
     return best
 
+  # Probes (a broker's ProbePrefix, a decode node's held prefix) take no lock,
+  # so they never wait for a running prefill: membership tests on the cache's
+  # dicts are atomic and the answer is at worst slightly stale; a dict resized
+  # under one reports a miss.
+  def probe(self, tokens: Sequence[int]) -> int:
+    """``match_length`` without a lock (0 on a race or for no tokens)."""
+    try:
+      return self.match_length(tokens) if tokens else 0
+    except RuntimeError:
+      return 0
+
+  def probe_hashes(self, hashes: Sequence[bytes]) -> int:
+    """``match_length_hashes`` without a lock (0 on a race or for no hashes)."""
+    try:
+      return self.match_length_hashes(hashes) if hashes else 0
+    except RuntimeError:
+      return 0
+
   def lookup(self, tokens: Sequence[int], capacity: int | None = None
              ) -> tuple[int, DecodeState | None]:
     """Returns (matched length, a batch-1 state holding that prefix) or (0, None)."""

@@ -514,12 +514,6 @@ class _CacheEngine:
   def __init__(self, cache):
     self.prefix_cache = cache
 
-  def cached_prefix_tokens(self, prompt):
-    return self.prefix_cache.match_length(prompt)
-
-  def cached_prefix_tokens_hashed(self, hashes):
-    return self.prefix_cache.match_length_hashes(hashes)
-
 
 class _Method:
   def __init__(self, fn):

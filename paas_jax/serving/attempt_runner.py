@@ -121,7 +121,7 @@ class AttemptRunner:
         prefer = self.pool.decode_nodes_holding(rec.pd_prefix_nodes)
       else:
         prefer = -1
-      di = self.pool.pick(NodeKind.DECODE, bad_decode, prefer=prefer)
+      di = self.pool.pick(NodeKind.DECODE, bad_decode, prefer=prefer, soft=resume is None)
       if resume is not None and di != resume.decode_index:
         resume = None  # the node holding the commit point is gone: a full prefill
       if di is None:
@@ -225,8 +225,10 @@ class AttemptRunner:
     colocated = self.pool.colocated(di)
     # Only a PD-P node that may hand ``di`` a whole state (node shapes: never
     # into a slice, never from one; a slice prefills its own: colocated).
-    prefer = rec.prefix_node if rec.prefix_node >= 0 else rec.pd_prefix_nodes
-    ni = None if colocated else self.pool.pick(NodeKind.PDP, exclude={di}, prefer=prefer, to=di)
+    shipped = rec.prefix_node >= 0  # a prefix shipped for this request waits there
+    prefer = rec.prefix_node if shipped else rec.pd_prefix_nodes
+    ni = None if colocated else self.pool.pick(NodeKind.PDP, exclude={di}, prefer=prefer, to=di,
+                                               soft=not shipped)
     if ni is None:
       if not colocated:
         self.counters["pdp_colocated_fallback"] += 1

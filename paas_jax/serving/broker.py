@@ -42,7 +42,7 @@ from paas_jax.serving import common, control_plane, pd_roles
 from paas_jax.serving.control_plane import model_config_from_decode
 from paas_jax.serving.attempt_runner import AttemptRunner
 from paas_jax.serving.live_view import LiveClusterState
-from paas_jax.serving.node_pool import DecodeTarget, NodePool
+from paas_jax.serving.node_pool import AffinityBalance, DecodeTarget, NodePool
 from paas_jax.serving.prefix_shipping import PrefixShipper
 from paas_jax.serving.request_lifecycle import AttemptFailed, RequestPhase
 from paas_jax.serving.request_record import RequestRecord
@@ -91,7 +91,8 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
                channel_credentials: grpc.ChannelCredentials | None = None,
                codec_json: str = "", recent_kept: int = 512, metrics=None,
                max_attempts: int = MAX_ATTEMPTS, health_interval_s: float = 1.0,
-               roles: Sequence[str] | None = None):
+               roles: Sequence[str] | None = None,
+               affinity: AffinityBalance = AffinityBalance()):
     self.config = model_config
     self.policy = policy
     # The served name, tokenizer, chat template and EOS ids (serving/tokenizer.py).
@@ -108,7 +109,7 @@ class BrokerServicer(serving_pb2_grpc.BrokerServicer):
     self.pool = NodePool(prefill_targets, decode_targets,
                          channel_credentials=channel_credentials,
                          health_interval_s=health_interval_s, roles=roles,
-                         counters=self.counters)
+                         counters=self.counters, affinity=affinity)
     self.prefill_targets = self.pool.prefill_targets
     self.decode_targets = self.pool.decode_targets
     self._lock = threading.Lock()
@@ -463,7 +464,8 @@ def start(model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str]
           text: ServedText | None = None, codec_json: str = "", max_workers: int = 256, security=None, metrics=None,
           max_attempts: int = MAX_ATTEMPTS, health_interval_s: float = 1.0,
           max_request_bytes: int = MAX_REQUEST_BYTES,
-          roles: Sequence[str] | None = None) -> BrokerServer:
+          roles: Sequence[str] | None = None,
+          affinity: AffinityBalance = AffinityBalance()) -> BrokerServer:
   """Starts the broker's public port.
 
   ``security`` (a ``paas_jax.security.ServiceSecurity`` of role broker): TLS
@@ -473,7 +475,8 @@ def start(model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str]
   reroutes. Past ``max_workers`` concurrent calls, RESOURCE_EXHAUSTED.
   ``roles``: the PD nodes' starting roles (default ``pd_roles.default_roles_for``
   their shapes: one node "both", N > 1 single-process nodes split N // 2 PD-P,
-  a decode slice always "both").
+  a decode slice always "both"). ``affinity``: when a prefix-cache
+  preference yields to load (``node_pool.AffinityBalance``).
   """
   if security is not None:
     credentials = security.server_credentials()
@@ -482,7 +485,8 @@ def start(model_config, policy: RoutingPolicy, *, prefill_targets: Sequence[str]
                             decode_targets=decode_targets, tokenizer=tokenizer, text=text,
                             channel_credentials=channel_credentials, codec_json=codec_json,
                             metrics=metrics, max_attempts=max_attempts,
-                            health_interval_s=health_interval_s, roles=roles)
+                            health_interval_s=health_interval_s, roles=roles,
+                            affinity=affinity)
   control = common.start_server(
       f"{host}:{port}", lambda s: serving_pb2_grpc.add_BrokerServicer_to_server(servicer, s),
       credentials=credentials, services=[SERVICE], max_workers=max_workers,

@@ -18,6 +18,7 @@ from paas_jax.serving import pd_roles
 from paas_jax.serving.broker import (MAX_ATTEMPTS, MAX_REQUEST_BYTES, DecodeTarget,
                                      model_config_from_decode, start)
 from paas_jax.serving.control_plane import served_model_of
+from paas_jax.serving.node_pool import AffinityBalance
 from paas_jax.serving.routing import make_policy
 from paas_jax.serving.tokenizer import served_text
 
@@ -62,6 +63,10 @@ def main(argv):
   except pd_roles.RoleError as e:
     flag = "--pd_roles" if FLAGS.pd_roles else "--pd_prefill_nodes"
     raise app.UsageError(f"{flag}: {e}") from None
+  try:
+    affinity = AffinityBalance(FLAGS.affinity_abs_load, FLAGS.affinity_rel_load)
+  except ValueError as e:
+    raise app.UsageError(f"--affinity_abs_load / --affinity_rel_load: {e}") from None
   config = (load_config(FLAGS.config) if FLAGS.config
             else model_config_from_decode(FLAGS.decode[0], channel_creds))
   text = served_text(config, FLAGS.checkpoint, FLAGS.tokenizer, FLAGS.served_model_name,
@@ -71,7 +76,8 @@ def main(argv):
                  prefill_targets=FLAGS.prefill, decode_targets=targets, host=FLAGS.host,
                  port=FLAGS.port, codec_json=FLAGS.codec_json, text=text,
                  security=security, metrics=metrics, max_attempts=FLAGS.max_attempts,
-                 max_request_bytes=FLAGS.max_request_bytes, roles=roles)
+                 max_request_bytes=FLAGS.max_request_bytes, roles=roles,
+                 affinity=affinity)
   server.servicer.runner.tenant = FLAGS.tenant
   if FLAGS.prefill_transfer and len(FLAGS.prefill_transfer) != len(FLAGS.prefill):
     raise app.UsageError("--prefill_transfer needs one entry per --prefill")
@@ -121,6 +127,11 @@ def define_flags() -> None:
                     "(empty: --pd_prefill_nodes).")
   flags.DEFINE_integer("pd_prefill_nodes", -1, "With N > 1 decode servers and no --pd_roles: "
                        "the last K are PD-P, the rest PD-D (-1: N // 2). One server: both.")
+  flags.DEFINE_integer("affinity_abs_load", AffinityBalance.abs_load,
+                       "A PD node preferred for its cached prefix yields to the least loaded "
+                       "node once it has more than this many more requests in flight ...")
+  flags.DEFINE_float("affinity_rel_load", AffinityBalance.rel_load,
+                     "... and more than this many times as many (node_pool.AffinityBalance).")
   flags.DEFINE_float("threshold", 128, "Selective offloading: prompts longer than this many "
                      "tokens are prefilled remotely (<0: never).")
   flags.DEFINE_string("tenant", "", "This broker's decode region as a tenant of a shared "

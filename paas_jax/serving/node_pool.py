@@ -5,7 +5,9 @@ The broker asks the pool, never the nodes' bookkeeping directly:
 
 * ``pick(kind)`` / ``release(kind, i)``: the least loaded healthy node of a
   ``NodeKind`` (a PrfaaS prefill server, a PD node serving decode, a PD node
-  serving PD-P prefill) and the end of the work it was picked for;
+  serving PD-P prefill) and the end of the work it was picked for; a
+  preference for nodes holding a cached prefix yields to load past the
+  pool's ``AffinityBalance``;
 * health: every node is probed (``HealthMonitor``, over the same channels the
   requests use); ``mark_down`` takes a node whose connection broke out of
   picking until a probe succeeds again;
@@ -45,6 +47,35 @@ from paas_jax.serving import common
 from paas_jax.serving import pd_roles
 
 log = logging.getLogger("paas_jax.serving.broker")
+
+
+@dataclasses.dataclass(frozen=True)
+class AffinityBalance:
+  """When a prefix-cache preference yields to load.
+
+  A node preferred only because its prefix cache holds the prompt's prefix
+  (``pick(..., soft=True)``) is passed over for the least loaded qualifying
+  node once it carries more than ``abs_load`` more in-flight requests than
+  that node *and* more than ``rel_load`` times as many: a hot prefix must
+  not pile every request sharing it onto one node while others idle (the
+  same two-threshold rule as SGLang's cache-aware router). A hard
+  preference (a commit point to resume from, a prefix shipped for this very
+  request) never yields.
+  """
+
+  abs_load: int = 4
+  rel_load: float = 2.0
+
+  def __post_init__(self):
+    if self.abs_load < 0 or self.rel_load < 1.0:
+      raise ValueError(f"affinity balance needs abs_load >= 0 and rel_load >= 1, got "
+                       f"{self.abs_load}, {self.rel_load}")
+
+  def yields(self, preferred_load: int, least_load: int) -> bool:
+    """Whether a preferred node with ``preferred_load`` in flight yields to a
+    node with ``least_load``."""
+    return (preferred_load - least_load > self.abs_load
+            and preferred_load > self.rel_load * least_load)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,12 +190,15 @@ class NodePool:
   ``counters``: the broker's counters (server_up/down, role_moves, ...).
   ``roles``: the PD nodes' starting roles (default:
   ``pd_roles.default_roles_for`` their shapes); checked against the shapes.
+  ``affinity``: when a prefix-cache preference yields to load.
   """
 
   def __init__(self, prefill_targets: Sequence[str], decode_targets: Sequence[DecodeTarget], *,
                channel_credentials: grpc.ChannelCredentials | None = None,
                health_interval_s: float = 1.0, roles: Sequence[str] | None = None,
-               counters: collections.Counter | None = None):
+               counters: collections.Counter | None = None,
+               affinity: AffinityBalance = AffinityBalance()):
+    self.affinity = affinity
     if not decode_targets:
       raise ValueError("the broker needs at least one decode server")
     self.prefill_targets = list(prefill_targets)
@@ -248,7 +282,7 @@ class NodePool:
   # -- picking --------------------------------------------------------------------
 
   def pick(self, kind: NodeKind, exclude=(), prefer: int | Collection[int] = -1,
-           to: int | None = None) -> int | None:
+           to: int | None = None, soft: bool = False) -> int | None:
     """The least loaded healthy node of ``kind`` not in ``exclude`` (None: none).
 
     PREFILL: a PrfaaS server; DECODE: a PD node serving decode (role pdd/both,
@@ -258,7 +292,9 @@ class NodePool:
     Prefill to other nodes and, with ``to``, may hand a state to PD node
     ``to`` (``pd_roles.can_hand_off``). ``prefer``: a node, or nodes, taken
     whenever one qualifies (where a shipped prefix, a commit point or the
-    longest cached prefix waits), the least loaded of them first.
+    longest cached prefix waits), the least loaded of them first; ``soft``
+    (a prefix-cache preference): unless the pool's ``affinity`` says it
+    yields to a less loaded node (counted as ``affinity_yielded``).
     Counts one unit of load on the node until ``release``.
     """
     kind = NodeKind(kind)
@@ -278,8 +314,15 @@ class NodePool:
       if not order:
         return None
       preferred = {prefer} if isinstance(prefer, int) else set(prefer)
-      order = [i for i in order if i in preferred] or order
-      best = min(order, key=lambda i: self._load[(kind, i)])
+      load = lambda i: self._load[(kind, i)]
+      best = min(order, key=load)
+      chosen = [i for i in order if i in preferred]
+      if chosen:
+        best_preferred = min(chosen, key=load)
+        if soft and self.affinity.yields(load(best_preferred), load(best)):
+          self.counters["affinity_yielded"] += 1
+        else:
+          best = best_preferred
       self._load[(kind, best)] += 1
       return best
 

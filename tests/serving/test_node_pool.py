@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from paas_jax.serving import pd_roles
-from paas_jax.serving.node_pool import DecodeTarget, NodeKind, NodePool
+from paas_jax.serving.node_pool import AffinityBalance, DecodeTarget, NodeKind, NodePool
 
 
 @pytest.fixture
@@ -55,6 +55,36 @@ def test_preferred_nodes_share_the_load_among_themselves(pool):
   assert sorted(picks) == [0, 0, 1, 1]  # node 2 does not qualify; 0 and 1 alternate
   assert pool.pick(NodeKind.DECODE, prefer={1}) == 1  # one preferred: even more loaded
   assert pool.pick(NodeKind.DECODE, prefer=set()) == 0  # none: the least loaded
+
+
+def test_a_soft_preference_yields_to_load_past_the_affinity_balance(pool):
+  """Node 1 holds a hot prefix: requests go there until it carries more than
+  abs_load (4) more in flight than node 0 and more than rel_load (2x) as
+  many; then node 0 takes one. A hard preference (a commit point, a prefix
+  shipped for the request) never yields: the control."""
+  picks = [pool.pick(NodeKind.DECODE, prefer=1, soft=True) for _ in range(10)]
+  # loads (node 1, node 0) before each pick: (0,0)..(4,0) -> 1; (5,0) yields;
+  # (5,1) -> 1; (6,1) yields; (6,2) -> 1; (7,2) yields.
+  assert picks == [1, 1, 1, 1, 1, 0, 1, 0, 1, 0]
+  assert pool.counters["affinity_yielded"] == 3
+  assert (pool.load(NodeKind.DECODE, 1), pool.load(NodeKind.DECODE, 0)) == (7, 3)
+  hard = [pool.pick(NodeKind.DECODE, prefer=1) for _ in range(5)]
+  assert hard == [1] * 5 and pool.counters["affinity_yielded"] == 3
+
+
+def test_the_affinity_balance_is_configurable_and_checked():
+  p = NodePool([], [DecodeTarget(f"127.0.0.1:{n}", "x") for n in (1, 3)], roles=["both", "both"],
+               affinity=AffinityBalance(abs_load=0, rel_load=1.0))
+  try:  # no slack: the preference holds only while node 1 is no busier than node 0
+    assert [p.pick(NodeKind.DECODE, prefer=1, soft=True) for _ in range(4)] == [1, 0, 1, 0]
+  finally:
+    p.close()
+  assert not AffinityBalance(4, 2.0).yields(9, 5)  # 4 more: within abs_load
+  assert not AffinityBalance(4, 2.0).yields(12, 6)  # 2x: within rel_load
+  assert AffinityBalance(4, 2.0).yields(13, 6)
+  for bad in ((-1, 2.0), (4, 0.5)):
+    with pytest.raises(ValueError, match="affinity balance"):
+      AffinityBalance(*bad)
 
 
 def test_the_nodes_that_reuse_a_prefix_follow_roles_and_shapes(pool):

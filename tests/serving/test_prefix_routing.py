@@ -23,6 +23,7 @@ import pytest
 
 from paas_jax.proto import serving_pb2
 from paas_jax.serving.live_view import LiveClusterState
+from paas_jax.serving.node_pool import NodeKind
 from tests.serving.test_slice_pd_nodes import _broker, _context
 
 PREFIX = list(range(1, 97))  # 96 cached tokens
@@ -124,5 +125,24 @@ def test_a_remote_request_is_decoded_where_its_prefix_is_held(holders, decoded_o
     records = _generate(b, 4, prompt=LONG)
     assert all(r.route == "prfaas" and set(r.pd_prefix_nodes) == holders for r in records)
     assert _where(b, records)[0] == decoded_on
+  finally:
+    b.close()
+
+
+@pytest.mark.parametrize("busy", [4, 5])
+def test_a_busy_holder_gives_way_past_the_affinity_balance(busy):
+  """The slice (node 0) holds the prefix but already carries ``busy``
+  requests the broker routed earlier (held by hard picks, as a resume's
+  are). With 4 (within abs_load) the request still goes to the slice; with 5
+  it goes to PD-D node 1 (prefilled by PD-P node 2), the cache missed for
+  load's sake, and the broker counts it. A resume's hard preference would
+  not yield (``test_node_pool``)."""
+  b, _ = _routed_broker({0})
+  try:
+    held = [b.pool.pick(NodeKind.DECODE, prefer=0) for _ in range(busy)]
+    assert held == [0] * busy
+    decoded_on, prefilled_by = _where(b, _generate(b, 1))
+    assert (decoded_on, prefilled_by) == (({0}, set()) if busy == 4 else ({1}, {2}))
+    assert b.counters["affinity_yielded"] == (busy == 5)
   finally:
     b.close()

@@ -86,7 +86,7 @@ def check_decode_slice(spec) -> None:
                      f"pd_nodes={spec.pd_nodes}")
   if spec.decode_slice == 1:
     return
-  unfit = {"decode_regions > 1": spec.decode_regions > 1, "flaky_wan": spec.flaky_wan,
+  unfit = {"flaky_wan": spec.flaky_wan,
            "decode_faults": bool(spec.decode_faults),
            "prefill_faults (a slice's region A runs as a pod)": bool(spec.prefill_faults)}
   named = [k for k, v in unfit.items() if v]

@@ -81,6 +81,12 @@ def initialize_region(spec: RegionSpec) -> None:
     RuntimeError: this process does not have ``spec.local_devices`` devices.
   """
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # JAX's preemption service would take SIGTERM for a preemption notice, so a
+  # follower kept running when its supervisor stopped the region and then
+  # aborted ("JAX distributed service detected fatal errors") once process 0
+  # and its coordination service were gone. SIGTERM here means stop: a
+  # follower keeps nothing and dies at once; process 0 has its own handler.
+  jax.config.update("jax_enable_preemption_service", False)
   if spec.num_processes > 1:
     timeout = max(1, int(spec.timeout_s))
     jax.distributed.initialize(

@@ -188,3 +188,34 @@ def test_region_a_of_one_process_feeds_a_slice_token_exact(tmp_path, reference):
     assert all(stats[f"slice_bytes_in:{q}"] > 0 for q in (0, 1)), stats
   finally:
     cluster.stop()
+
+
+@pytest.mark.slow  # its own cluster: a pod, two slices, two relays and two brokers
+def test_two_decode_regions_each_a_slice_share_region_a_token_exact(tmp_path, reference):
+  """Regions B and C each run a decode slice behind their own relay and broker,
+  and share region A's pod: offloaded and local requests through each broker
+  are token-exact, and each region's slice decoded its own (its bytes in)."""
+  spec = ClusterSpec(n_slots=4, max_queue=8, max_ctx=256, prefill_buckets=(64,),
+                     prefill_max_batch=1, threshold=16, prefill_pod=2, decode_slice=2,
+                     decode_regions=2, link=LinkSpec(bandwidth_bps=200e6, rtt_s=0.01))
+  cluster = LocalCluster(spec, tmp_path).start()
+  try:
+    assert set(cluster.broker_addresses) == {"b", "c"}
+    for k, (region, address) in enumerate(sorted(cluster.broker_addresses.items())):
+      name = cluster.pd_names_of(region)[0]
+      assert "paas_jax.serving.slice_decode_server" in cluster.procs[name].args
+      with BrokerClient(address, timeout_s=180) as client:
+        _wait_remote(client)
+        before = _idle_stats(cluster, name, serving_pb2_grpc.DecodeStub)
+        for i, (n, route) in enumerate([(40, "remote"), (12, "local")]):
+          prompt = _prompt(n, 60 + 10 * k + i)
+          out = client.generate(prompt_ids=prompt, max_new_tokens=6, route=route,
+                                request_id=f"{region}-{route}")
+          assert (out.route == "prfaas") == (route == "remote"), out.summary
+          assert out.tokens == reference(tuple(prompt), 6), (region, route)
+        after = _idle_stats(cluster, name, serving_pb2_grpc.DecodeStub)
+        assert after["jobs_done"] - before.get("jobs_done", 0) >= 2, (region, after)
+        assert all(after[f"slice_bytes_in:{q}"] > before.get(f"slice_bytes_in:{q}", 0)
+                   for q in (0, 1)), (region, after)
+  finally:
+    cluster.stop()

@@ -93,8 +93,8 @@ class ClusterSpec:
   # local devices: on CPU, XLA_FLAGS=--xla_force_host_platform_device_count).
   tp: int = 1
   flaky_wan: bool = False
-  # Fault injection in every decode server (FaultPlan syntax, e.g.
-  # "corrupt_states=2": damage received states behind the transport's checks).
+  # Fault injection in every decode server and slice process (FaultPlan syntax,
+  # e.g. "corrupt_states=2": damage received states behind the transport's checks).
   decode_faults: str = ""
   # Extra decode-server flags (e.g. "--decode_steps_per_sync=4").
   decode_args: tuple[str, ...] = ()

@@ -87,7 +87,6 @@ def check_decode_slice(spec) -> None:
   if spec.decode_slice == 1:
     return
   unfit = {"flaky_wan": spec.flaky_wan,
-           "decode_faults": bool(spec.decode_faults),
            "prefill_faults (a slice's region A runs as a pod)": bool(spec.prefill_faults)}
   named = [k for k, v in unfit.items() if v]
   if named:
@@ -140,7 +139,9 @@ def decode_args(spec, host: str, data_plane_host: str | None, node: int = 0) -> 
             *([f"--data_plane_host={data_plane_host}"] if data_plane_host else []),
             f"--slice_slots={spec.n_slots}", f"--slice_processes={spec.decode_slice}",
             f"--slice_devices={spec.decode_slice_devices}",
-            *([f"--slice_tls_names={','.join(names)}"] if names else []), *spec.decode_args]
+            *([f"--slice_tls_names={','.join(names)}"] if names else []),
+            *([f"--faults={spec.decode_faults}"] if spec.decode_faults else []),
+            *spec.decode_args]
   args = ["-m", "paas_jax.serving.decode_server", *server_args(spec, host),
           "--transfer_port=0", f"--n_slots={spec.n_slots}", f"--page_size={spec.page_size}",
           f"--num_pages={spec.num_pages}", f"--max_queue={spec.max_queue}",

@@ -35,7 +35,7 @@ from paas_jax.codec import layout
 from paas_jax.codec.shard_plan import MeshSpec, StatePlacement
 from paas_jax.models.api import Model, prefill_bucket
 from paas_jax.models.config import ModelConfig
-from paas_jax.state import DecodeState, abstract_state, init_state, round_up
+from paas_jax.state import DecodeState, abstract_state, init_state, round_up, sensitivity
 
 TP_AXIS = "tp"
 
@@ -393,6 +393,23 @@ def region_probe_logits(model: Model, mesh: Mesh, state: DecodeState, token: int
       (model.graphdef, model.params, replicated(mesh, np.array([token], np.int32)), state,
        int(capacity), NamedSharding(mesh, PartitionSpec())), barrier, "probe")
   return np.asarray(logits.addressable_data(0))[0]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _damaged_state(state, kinds, length, out_shardings):
+  return jax.lax.with_sharding_constraint(sensitivity.damage_traced(state, kinds, length),
+                                          out_shardings.tree)
+
+
+def region_damage(config: ModelConfig, state: DecodeState, length: int,
+                  barrier=_no_barrier) -> DecodeState:
+  """The sharded batch-1 ``state`` of a ``length``-token prompt damaged as
+  ``sensitivity.damage`` damages one process's (fault injection: every
+  process calls it), in the same shardings."""
+  shardings = StaticShardings(jax.tree_util.tree_map(lambda x: x.sharding, state))
+  return synchronized_call(_damaged_state, (1, 2, 3),
+                           (state, tuple(config.layer_kinds), int(length), shardings),
+                           barrier, "damage")
 
 
 def region_step(model: Model, mesh: Mesh, state: DecodeState, token: int,

@@ -16,7 +16,8 @@ store, one ``SliceRound`` at a time; every process, process 0 too, runs it
        (``lockstep.agree``: if any failed, all drop the request and the first
        failure's status reaches the client), check the handoff logit probe on
        the sharded state (DATA_LOSS on a mismatch, before any token past the
-       first);
+       first; ``--faults=corrupt_states=N`` damages the first N states just
+       before it, ``pod.region_damage``);
      local (the slice prefills the prompt itself): the sharded prefill and the
        first token sampled as the single-process engine samples it; with a
        prefix cache (``slice_prefix``) the prefill continues from the longest
@@ -41,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import threading
 import time
 import urllib.parse
@@ -54,6 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from paas_jax.codec.errors import CodecError
 from paas_jax.codec.shard_plan import MeshSpec, ShardPlanError
+from paas_jax.security.faults import FaultPlan
 from paas_jax.serving import lockstep, pod, pod_transfer
 from paas_jax.serving.batch_rows import sample_rows
 from paas_jax.serving.slice_decode import (SliceJob, SliceParts, SliceReceiveError,
@@ -62,6 +65,8 @@ from paas_jax.serving.slice_prefix import SlicePrefix
 from paas_jax.serving.token_logprob_ops import rows_logprobs
 from paas_jax.serving.validation import RequestParams
 from paas_jax.state import DecodeState, abstract_state, logit_probe
+
+log = logging.getLogger("paas_jax.serving.slice")
 
 ROUNDS = "sliceround"  # the rounds in the region's key-value store
 READY = "sliceready"   # READY/<request>/<process>: that process's parts verdict
@@ -207,7 +212,7 @@ class SliceBatch:
 
   def __init__(self, model, mesh, region: pod.RegionSpec, parts: SliceParts, *,
                slots: int = 4, take_timeout_s: float = 30.0, kv=None,
-               prefix: SlicePrefix | None = None):
+               prefix: SlicePrefix | None = None, faults: FaultPlan | None = None):
     if slots < 1:
       raise ValueError(f"a slice batch needs at least one slot, got {slots}")
     self.model = model
@@ -218,6 +223,10 @@ class SliceBatch:
     self.take_timeout_s = take_timeout_s
     self.kv = kv
     self.prefix = prefix
+    # Fault injection (demo and tests): ``corrupt_states`` damages that many
+    # received states after the transport verified them, on every process
+    # alike (each counts the same remote admissions in the same rounds).
+    self.faults = faults if faults is not None and faults.corrupt_states else None
     self.barrier = pod.Barrier(region)
     self.placement = pod.state_placement(self.config, MeshSpec.from_mesh(mesh))
     self.whole = NamedSharding(mesh, PartitionSpec())
@@ -337,6 +346,9 @@ class SliceBatch:
     t0 = time.perf_counter()
     if job.remote:
       state, failure, report["wire_bytes"][rid] = self._receive(number, slot, job, capacity)
+      if failure is None and self.faults is not None and self.faults.take_state_corruption():
+        log.error("fault: damaging the verified state of %s", rid, extra={"request_id": rid})
+        state = pod.region_damage(self.config, state, job.prompt_len, self.barrier)
       if failure is None:
         failure = self._check_probe(job, state)
       if failure is not None:

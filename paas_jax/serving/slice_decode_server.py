@@ -49,6 +49,7 @@ import grpc
 from absl import app, flags
 
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
+from paas_jax.security.faults import FaultPlan
 from paas_jax.security.hooks import server_interceptors
 from paas_jax.serving import cli, common, control_plane, handoff_probe, logprobs, pod
 from paas_jax.serving import pod_supervisor
@@ -286,8 +287,11 @@ def process_main() -> None:
   data_plane_port = transfer.data_plane.port if transfer.data_plane is not None else 0
   prefix = (SlicePrefix(model.config, mesh, FLAGS.prefix_block, FLAGS.prefix_cache_mb << 20)
             if FLAGS.prefix_block > 0 else None)
+  faults = FaultPlan.parse(FLAGS.faults)
+  if faults.active:
+    log.warning("FAULT INJECTION enabled: %s", faults)
   batch = SliceBatch(model, mesh, region, parts, slots=FLAGS.slice_slots, kv=kv,
-                     prefix=prefix)
+                     prefix=prefix, faults=faults)
   precompile_s = time.time()
   programs = batch.precompile(max_ctx) if FLAGS.slice_precompile else 0
   precompile_s = time.time() - precompile_s

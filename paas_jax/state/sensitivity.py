@@ -155,27 +155,34 @@ def to_host(state: DecodeState) -> DecodeState:
   return jax.tree_util.tree_map(np.asarray, state)
 
 
-def _zero_main(cache, spec: KindSpec):
+def _np_zeroed(x, index):
+  """``x`` (a host array) with positions ``index`` of axis 1 zeroed, copied."""
+  x = np.array(x)
+  x[:, index] = 0
+  return x
+
+
+def _jnp_zeroed(x, index):
+  """The same for a traced array."""
+  return x.at[:, index].set(0)
+
+
+def _zero_main(cache, spec: KindSpec, zeros_like=np.zeros_like):
   """The layer's state with its main arrays zeroed: the kind's
   ``summary_fields`` (the recurrent state), or every array (all KV)."""
   if spec.summary_fields:
-    return cache.replace(**{f: np.zeros_like(getattr(cache, f)) for f in spec.summary_fields})
-  return jax.tree_util.tree_map(np.zeros_like, cache)
+    return cache.replace(**{f: zeros_like(getattr(cache, f)) for f in spec.summary_fields})
+  return jax.tree_util.tree_map(zeros_like, cache)
 
 
-def _drop_last_block(cache, spec: KindSpec, length: int, block: int):
+def _drop_last_block(cache, spec: KindSpec, length: int, block: int, zeroed=_np_zeroed):
   """Zeroes the positions of the last (partial) KV block ``[start, length)``."""
   start = ((length - 1) // block) * block
-
-  def zeroed(x, index):
-    x = np.array(x)
-    x[:, index] = 0
-    return x
   if spec.positions is StatePositions.LINEAR:
     return jax.tree_util.tree_map(lambda x: zeroed(x, slice(start, length)), cache)
   if spec.positions is StatePositions.RING:
     window = jax.tree_util.tree_leaves(cache)[0].shape[1]
-    slots = sorted({p % window for p in range(max(start, length - window), length)})
+    slots = np.asarray(sorted({p % window for p in range(max(start, length - window), length)}))
     return jax.tree_util.tree_map(lambda x: zeroed(x, slots), cache)
   raise ValueError(f"{type(cache).__name__} has no KV blocks")
 
@@ -235,12 +242,25 @@ def damage(state: DecodeState, kinds: Sequence[str], block: int = KV_BLOCK) -> D
   """A lost/truncated batch-1 state, for fault injection: every recurrent
   (SUMMARY) state zeroed and the last KV block of every other layer dropped."""
   host = to_host(state)
-  length = int(np.asarray(host.lengths)[0])
+  return _damaged(host, kinds, int(np.asarray(host.lengths)[0]), block, np.zeros_like,
+                  _np_zeroed)
+
+
+def damage_traced(state: DecodeState, kinds: Sequence[str], length: int,
+                  block: int = KV_BLOCK) -> DecodeState:
+  """``damage`` as a traceable function, for a state that lives sharded over
+  several processes (a decode slice's: jit it with the state's shardings and
+  run it on every process). ``length`` (the prompt's) is static: no process
+  can read the sharded ``lengths`` back on its own."""
+  return _damaged(state, kinds, length, block, jnp.zeros_like, _jnp_zeroed)
+
+
+def _damaged(state, kinds, length: int, block: int, zeros_like, zeroed):
   specs = [kind_spec(k) for k in kinds]
-  layers = tuple(_zero_main(c, s) if s.positions is StatePositions.SUMMARY
-                 else _drop_last_block(c, s, length, block)
-                 for s, c in zip(specs, host.layers))
-  return host.replace(layers=layers)
+  layers = tuple(_zero_main(c, s, zeros_like) if s.positions is StatePositions.SUMMARY
+                 else _drop_last_block(c, s, length, block, zeroed)
+                 for s, c in zip(specs, state.layers))
+  return state.replace(layers=layers)
 
 
 # -- the whole picture for one model ---------------------------------------------------------

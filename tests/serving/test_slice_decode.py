@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from paas_jax.models import api
+from paas_jax.security.faults import FaultPlan
 from paas_jax.serving import logprob_check, pod
 from paas_jax.serving.pod_prefill import PodJob, PodPrefillRunner
 from paas_jax.serving.slice_batch import ReadyBoard, SliceBatch, SliceRound
@@ -233,3 +234,34 @@ def test_negative_control_a_whole_state_is_refused_and_a_missing_part_times_out(
 def test_decode_capacity_covers_the_request_in_octaves():
   assert decode_capacity(45, 6) >= 51 and decode_capacity(45, 6) == decode_capacity(50, 10)
   assert decode_capacity(100, 100) >= 200
+
+
+def test_a_state_damaged_after_the_transport_is_caught_by_the_probe(
+    model, prefill_pod, decode_slice):
+  """``--faults=corrupt_states=1`` on a slice: the first received state is
+  damaged after its parts were verified (``SliceBatch._damaged``, sharded) and
+  the handoff probe fails it DATA_LOSS before any token; the second is left
+  alone and decodes token-exact. The control: the same damage without a
+  probe on the job decodes other tokens than the reference (what the probe
+  keeps from the client)."""
+  batch, target = decode_slice
+  batch.faults = FaultPlan(corrupt_states=1)
+  prompt, params = _prompt(40, 11), _params()
+  want = api.generate(model, list(prompt), 6, sampling=params.sampling).tokens
+  first = _prefill(prefill_pod, "d1", prompt, target, params)
+  report, events = _run(batch, SliceJob.from_request(1, "d1", len(prompt), params,
+                                                     first_token=first.token, probe=first.probe))
+  failure = report["failed"]["d1"]
+  assert failure["code"] == "DATA_LOSS" and failure["probe_mismatch"], failure
+  assert events["d1"] == [] and batch.active() == 0
+  again = _prefill(prefill_pod, "d2", prompt, target, params)
+  report, _ = _run(batch, SliceJob.from_request(2, "d2", len(prompt), params,
+                                                first_token=again.token, probe=again.probe),
+                   number=2)
+  assert not report["failed"] and report["finished"]["d2"]["tokens"] == want
+  # Control: damaged again, but no probe to check it.
+  batch.faults = FaultPlan(corrupt_states=1)
+  blind = _prefill(prefill_pod, "d3", prompt, target, params)
+  report, _ = _run(batch, SliceJob.from_request(3, "d3", len(prompt), params,
+                                                first_token=blind.token), number=3)
+  assert not report["failed"] and report["finished"]["d3"]["tokens"] != want

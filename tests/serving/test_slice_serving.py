@@ -219,3 +219,29 @@ def test_two_decode_regions_each_a_slice_share_region_a_token_exact(tmp_path, re
                    for q in (0, 1)), (region, after)
   finally:
     cluster.stop()
+
+
+@pytest.mark.slow  # its own cluster (a pod and a slice start and compile)
+def test_states_damaged_on_a_slice_are_caught_and_reprefilled(tmp_path, reference):
+  """``decode_faults="corrupt_states=2"`` on a slice: its processes damage the
+  first two received states after the transport verified them; the handoff
+  probe catches each (DATA_LOSS, before any token past the first) and the
+  broker prefills those requests again, so every client still gets the
+  reference tokens. The slice counts both mismatches."""
+  spec = ClusterSpec(n_slots=4, max_queue=8, max_ctx=256, prefill_buckets=(64,),
+                     prefill_max_batch=1, threshold=16, prefill_pod=2, decode_slice=2,
+                     decode_faults="corrupt_states=2")
+  cluster = LocalCluster(spec, tmp_path).start()
+  try:
+    with BrokerClient(cluster.broker_address, timeout_s=180) as client:
+      outs = []
+      for i in range(3):
+        prompt = _prompt(40 + 5 * i, 80 + i)
+        out = client.generate(prompt_ids=prompt, max_new_tokens=6, route="auto",
+                              request_id=f"damaged-{i}")
+        assert out.tokens == reference(tuple(prompt), 6), (i, out.summary)
+        outs.append(out)
+    stats = _idle_stats(cluster, "decode", serving_pb2_grpc.DecodeStub)
+    assert stats["probe_mismatch"] == 2, stats
+  finally:
+    cluster.stop()

@@ -19,10 +19,10 @@ from absl import app
 # (chunk streaming and commit points), and those that need a pod.
 SINGLE_PREFILL_FAULTS = ("kill_prefill", "preempt_prefill", "corrupt_chunks")
 POD_FAULTS = ("kill_pod_process",)
-# Faults a decode slice cannot take: a FlakyLink in front of one StateTransfer
-# port (the slice has one per process), damage in a single decode server, and
-# killing region B's one decode process (a slice restarts as a unit itself).
-SLICE_REFUSED_FAULTS = ("drop_link", "stall_link", "corrupt_state", "kill_decode")
+# Faults a decode slice cannot take: killing region B's one decode process (a
+# slice restarts as a unit itself, under its supervisor). A flaky link fronts
+# each slice process, and each slice process damages states alike.
+SLICE_REFUSED_FAULTS = ("kill_decode",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +86,12 @@ def resolve_pools(*, decode_slice: int, decode_slice_devices: int, prefill_pod: 
     notes.append(f"{where} is PD node 0 (\"decode\", role both); the other "
                  f"{pd_nodes - 1} PD node(s) are single decode servers")
   if decode_regions > 1:
-    raise app.UsageError(f"{where} serves the only decode region: it needs "
-                         f"--decode_regions=1, got --decode_regions={decode_regions}")
+    notes.append(f"each of the {decode_regions} decode regions runs its own "
+                 f"{where.removeprefix('a ')}")
   if fault in SLICE_REFUSED_FAULTS:
-    raise app.UsageError(f"--fault={fault} does not run against {where}; the faults that "
-                         f"do: none, {', '.join(POD_FAULTS)}")
+    raise app.UsageError(f"--fault={fault} does not run against {where} (its supervisor "
+                         "restarts it as a unit); every other fault does but "
+                         f"{', '.join(SINGLE_PREFILL_FAULTS)} (a single-process region A)")
   if fault in SINGLE_PREFILL_FAULTS:
     raise app.UsageError(f"--fault={fault} needs a single-process region A (chunk "
                          f"streaming), and {where} needs a prefill pod")

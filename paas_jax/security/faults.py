@@ -21,7 +21,7 @@ import os
 import re
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import grpc
 
@@ -189,6 +189,47 @@ class FlakyLink:
       self._loop.call_soon_threadsafe(self._loop.stop)
     if self._thread is not None:
       self._thread.join(timeout=5)
+
+
+class FlakyLinks:
+  """One WAN link in front of several addresses (a decode slice's processes,
+  each region A sends its own parts): a ``FlakyLink`` per address, taken down
+  and up together, as one link between two regions fails for all of them.
+  ``address`` is the first one's (the node's process 0)."""
+
+  def __init__(self, targets: Sequence[str]):
+    if not targets:
+      raise ValueError("FlakyLinks needs at least one target")
+    self.links = [FlakyLink(t) for t in targets]
+
+  @property
+  def address(self) -> str:
+    return self.links[0].address
+
+  @property
+  def addresses(self) -> list[str]:
+    return [link.address for link in self.links]
+
+  def start(self) -> "FlakyLinks":
+    for link in self.links:
+      link.start()
+    return self
+
+  def down(self, mode: str = FlakyLink.CUT) -> None:
+    for link in self.links:
+      link.down(mode)
+
+  def up(self) -> None:
+    for link in self.links:
+      link.up()
+
+  def outage(self, seconds: float, mode: str = FlakyLink.CUT) -> None:
+    for link in self.links:
+      link.outage(seconds, mode)
+
+  def stop(self) -> None:
+    for link in self.links:
+      link.stop()
 
 
 class ChunkCorrupter(grpc.StreamUnaryClientInterceptor):

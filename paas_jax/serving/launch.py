@@ -28,7 +28,7 @@ from paas_jax.netem.netns import NetnsLink
 from paas_jax.security import TLSConfig, channel_credentials
 from paas_jax.security import ca as ca_lib
 from paas_jax.security.auth import write_token_files
-from paas_jax.security.faults import FlakyLink
+from paas_jax.security.faults import FlakyLinks
 from paas_jax.serving import launch_args, launch_routes
 from paas_jax.serving.child_process import LaunchError, Proc, spawn, wait_ready
 
@@ -83,8 +83,9 @@ class ClusterSpec:
   # port. tls=False runs every process with an explicit --insecure.
   tls: bool = False
   # Fault injection in the prefill server (FaultPlan syntax, e.g.
-  # "kill_after_layers=2"), and a FlakyLink (paas_jax.security.faults) in
-  # front of the decode server's StateTransfer port (cluster.wan) that tests
+  # "kill_after_layers=2"), and with flaky_wan a link (FlakyLinks,
+  # paas_jax.security.faults) in front of PD node 0's StateTransfer port, or
+  # each of its processes' ports when it is a slice (cluster.wan), that tests
   # and the demo can cut. Not with netem="netns".
   prefill_faults: str = ""
   # Extra prefill-server flags (e.g. "--commit_every=1", "--preempt_grace_s=0.5").
@@ -163,7 +164,7 @@ class LocalCluster:
     self.relay_stats_file = self.workdir / "relay_stats.json"
     self.timings: dict[str, float] = {}
     self.certs: pathlib.Path | None = None
-    self.wan = None  # a FlakyLink with spec.flaky_wan
+    self.wan = None  # FlakyLinks with spec.flaky_wan
     self.a_host = "127.0.0.1"  # where region A's prefill server serves
     # Per decode region: (the host region A dials for its transfer ports, the
     # host its processes bind and are reached on). One host here; each region's
@@ -246,15 +247,19 @@ class LocalCluster:
     # Region A's prefix-import port, where PD nodes ship cached prefixes (->A).
     prefix_target = f"{self.a_host}:{prefill['transfer_port']}"
     transfer_target = f"{local}:{self.procs[pd_names[0]].info['transfer_port']}"
-    if spec.flaky_wan and region == "b":
-      if self.netns is not None:
-        raise LaunchError("flaky_wan does not work with netem='netns'")
-      self.wan = FlakyLink(transfer_target).start()
-      transfer_target = self.wan.address
     pd_info = [self.procs[n].info for n in pd_names]
     pd_local = [f"{local}:{d['transfer_port']}" for d in pd_info]
     # A decode slice's entry lists its processes: region A sends each its own parts.
     shapes = launch_args.pd_node_shapes(spec)
+    if spec.flaky_wan and region == "b":
+      if self.netns is not None:
+        raise LaunchError("flaky_wan does not work with netem='netns'")
+      # One link for node 0: in front of each of its processes when it is a slice.
+      self.wan = FlakyLinks([transfer_target, *launch_routes.slice_others(
+          shapes[0], pd_info[0])]).start()
+      transfer_target = self.wan.address
+      if len(self.wan.links) > 1:
+        pd_info[0] = dict(pd_info[0], slice_transfer=self.wan.addresses)
     pd_wan = launch_routes.direct_entries(shapes, pd_info, transfer_target, pd_local)
     if link is not None:
       relay_link = (dataclasses.replace(link, shape_bandwidth=False)

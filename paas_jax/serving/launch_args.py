@@ -86,8 +86,7 @@ def check_decode_slice(spec) -> None:
                      f"pd_nodes={spec.pd_nodes}")
   if spec.decode_slice == 1:
     return
-  unfit = {"flaky_wan": spec.flaky_wan,
-           "prefill_faults (a slice's region A runs as a pod)": bool(spec.prefill_faults)}
+  unfit = {"prefill_faults (a slice's region A runs as a pod)": bool(spec.prefill_faults)}
   named = [k for k, v in unfit.items() if v]
   if named:
     raise ValueError(f"a decode slice (decode_slice={spec.decode_slice}) is launched without "

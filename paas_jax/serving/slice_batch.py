@@ -255,7 +255,8 @@ class SliceBatch:
     admissions); ``prefix``: request -> prompt tokens a local prefill took
     from the prefix cache."""
     report = {"process": self.region.process_id, "ok": True, "failed": {}, "finished": {},
-              "wire_bytes": {}, "steps": 0, "row_steps": 0, "max_rows": 0, "prefix": {}}
+              "wire_bytes": {}, "steps": 0, "row_steps": 0, "max_rows": 0, "prefix": {},
+              "probes": 0}
     for rid in rnd.drop:
       self.parts.drop(rid)
     for rid in rnd.evict:
@@ -351,6 +352,7 @@ class SliceBatch:
         state = pod.region_damage(self.config, state, job.prompt_len, self.barrier)
       if failure is None:
         failure = self._check_probe(job, state)
+        report["probes"] += job.logit_probe is not None
       if failure is not None:
         report["failed"][rid] = failure
         return

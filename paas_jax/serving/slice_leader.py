@@ -258,10 +258,13 @@ class SliceLeader:
       self._break(f"slice process {lost.get('process')} failed round {rnd.number}: "
                   f"{lost.get('error', '')}", lost.get("code", "UNAVAILABLE"))
       return
+    # A decode server's gauges: states the handoff probe passed / caught.
+    mismatches = sum(bool(f.get("probe_mismatch")) for f in mine["failed"].values())
+    self.counters["handoff_probe_mismatch"] += mismatches
+    self.counters["handoff_probe_ok"] += mine.get("probes", 0) - mismatches
     for rid, failure in mine["failed"].items():
       request = self._admitted.pop(rid)
       self.counters["jobs_failed"] += 1
-      self.counters["probe_mismatch"] += int(bool(failure.get("probe_mismatch")))
       request.events.put(("error", failure["code"], failure["error"]))
       request.finished = True
     for rid, done in mine["finished"].items():

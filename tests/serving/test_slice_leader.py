@@ -45,12 +45,13 @@ class _Batch:
     if self.outcome == "raise":
       raise RuntimeError("lost a collective")
     report = {"process": 0, "ok": True, "failed": {}, "finished": {}, "wire_bytes": {},
-              "steps": 0, "row_steps": 0}
+              "steps": 0, "row_steps": 0, "probes": 0}
     for rid in rnd.evict:
       self.rows = [None if r and r.job.request_id == rid else r for r in self.rows]
     for slot, job in rnd.admit:
       assert self.rows[slot] is None, "admitted into a busy row"
-      if self.outcome == "refused":
+      if self.outcome == "refused":  # its state was probed, and failed
+        report["probes"] += 1
         report["failed"][job.request_id] = {"code": "DATA_LOSS", "probe_mismatch": True,
                                             "error": "the received state failed the probe"}
         continue
@@ -131,7 +132,8 @@ def test_the_leader_skips_cancelled_requests_evicts_gone_ones_and_reports_refusa
   r = _request("d")
   refused.submit(r)
   assert _events(r, 1)[0][:2] == ("error", "DATA_LOSS")
-  assert refused.counters["probe_mismatch"] == 1 and not refused.broken
+  assert refused.counters["handoff_probe_mismatch"] == 1 and not refused.broken
+  assert refused.counters["handoff_probe_ok"] == 0
 
 
 def test_a_lost_round_breaks_the_slice_and_fails_what_it_holds():

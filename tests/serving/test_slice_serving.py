@@ -242,6 +242,41 @@ def test_states_damaged_on_a_slice_are_caught_and_reprefilled(tmp_path, referenc
         assert out.tokens == reference(tuple(prompt), 6), (i, out.summary)
         outs.append(out)
     stats = _idle_stats(cluster, "decode", serving_pb2_grpc.DecodeStub)
-    assert stats["probe_mismatch"] == 2, stats
+    assert stats["handoff_probe_mismatch"] == 2 and stats["handoff_probe_ok"] >= 1, stats
+  finally:
+    cluster.stop()
+
+
+@pytest.mark.slow  # its own cluster (a pod and a slice start and compile)
+def test_a_flaky_wan_in_front_of_a_slice_cuts_every_process_and_requests_survive(
+    tmp_path, reference):
+  """``flaky_wan`` with a slice: one link (``FlakyLinks``) fronts each slice
+  process's transfer port, and the broker's entry for the slice lists those
+  addresses. Up, a remote request's parts cross every process's link; cut,
+  region A's transfer fails and the broker prefills the request again on the
+  slice itself, token-exact; back up, requests offload again."""
+  spec = ClusterSpec(n_slots=4, max_queue=8, max_ctx=256, prefill_buckets=(64,),
+                     prefill_max_batch=1, threshold=16, prefill_pod=2, decode_slice=2,
+                     flaky_wan=True)
+  cluster = LocalCluster(spec, tmp_path).start()
+  try:
+    links = cluster.wan.links
+    assert len(links) == 2 and {link.target for link in links} == {
+        f"127.0.0.1:{a.rsplit(':', 1)[1]}" for a in cluster.procs["decode"].info["slice_transfer"]}
+    with BrokerClient(cluster.broker_address, timeout_s=180) as client:
+      _wait_remote(client)
+      prompt = _prompt(40, 90)
+      out = client.generate(prompt_ids=prompt, max_new_tokens=6, route="remote",
+                            request_id="over-the-wan")
+      assert out.route == "prfaas" and out.tokens == reference(tuple(prompt), 6), out.summary
+      assert all(link.bytes > 0 for link in links), [link.bytes for link in links]
+      cluster.wan.down()
+      prompt = _prompt(44, 91)
+      out = client.generate(prompt_ids=prompt, max_new_tokens=6, route="auto",
+                            request_id="while-cut")
+      assert out.route != "prfaas" and out.tokens == reference(tuple(prompt), 6), out.summary
+      assert sum(link.refused + link.resets for link in links) > 0
+      cluster.wan.up()
+      _wait_remote(client)
   finally:
     cluster.stop()

@@ -304,11 +304,13 @@ def process_main() -> None:
     log.info("slice process %d receiving on %s, following rounds", pid, address)
     follow_rounds(batch, kv)
     return
-  addresses = [address] + [kv.blocking_key_value_get(f"slice/transfer/{q}",
-                                                      int(region.timeout_s * 1000))
+  # The others announce once their own precompile is done: on a loaded host that
+  # may take far longer than the region's deadline (as at a barrier after a compile).
+  announce_ms = int(max(region.timeout_s, pod.COMPILE_SKEW_S) * 1000)
+  addresses = [address] + [kv.blocking_key_value_get(f"slice/transfer/{q}", announce_ms)
                            for q in range(1, region.num_processes)]
   data_plane_ports = [data_plane_port] + [
-      int(kv.blocking_key_value_get(f"slice/data_plane/{q}", int(region.timeout_s * 1000)))
+      int(kv.blocking_key_value_get(f"slice/data_plane/{q}", announce_ms))
       for q in range(1, region.num_processes)]
   slice_info = serving_pb2.DecodeSlice(transfer_targets=addresses,
                                        devices_per_process=region.local_devices)

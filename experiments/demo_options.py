@@ -19,10 +19,6 @@ from absl import app
 # (chunk streaming and commit points), and those that need a pod.
 SINGLE_PREFILL_FAULTS = ("kill_prefill", "preempt_prefill", "corrupt_chunks")
 POD_FAULTS = ("kill_pod_process",)
-# Faults a decode slice cannot take: killing region B's one decode process (a
-# slice restarts as a unit itself, under its supervisor). A flaky link fronts
-# each slice process, and each slice process damages states alike.
-SLICE_REFUSED_FAULTS = ("kill_decode",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +84,6 @@ def resolve_pools(*, decode_slice: int, decode_slice_devices: int, prefill_pod: 
   if decode_regions > 1:
     notes.append(f"each of the {decode_regions} decode regions runs its own "
                  f"{where.removeprefix('a ')}")
-  if fault in SLICE_REFUSED_FAULTS:
-    raise app.UsageError(f"--fault={fault} does not run against {where} (its supervisor "
-                         "restarts it as a unit); every other fault does but "
-                         f"{', '.join(SINGLE_PREFILL_FAULTS)} (a single-process region A)")
   if fault in SINGLE_PREFILL_FAULTS:
     raise app.UsageError(f"--fault={fault} needs a single-process region A (chunk "
                          f"streaming), and {where} needs a prefill pod")

@@ -387,11 +387,20 @@ class LocalCluster:
   def restart(self, name: str, *, extra_args=(), drop_prefix: str | None = None,
               timeout_s: float | None = None) -> Proc:
     """Starts process ``name`` again on the same port(s), after it died or was
-    stopped; ``drop_prefix`` removes arguments starting with it (e.g. "--faults")."""
+    stopped (a slice's supervisor: every process's transfer and data-plane
+    ports too); ``drop_prefix`` removes arguments starting with it (e.g.
+    "--faults")."""
     old = self.procs[name]
     old.stop()
     args = [a for a in old.args if not (drop_prefix and a.startswith(drop_prefix))]
     pinned = {"--port": old.info.get("port"), "--transfer_port": old.info.get("transfer_port")}
+    if old.info.get("slice_transfer"):  # a slice: its other processes' ports too
+      pinned["--slice_transfer_ports"] = ",".join(
+          a.rsplit(":", 1)[1] for a in old.info["slice_transfer"][1:])
+      pinned["--slice_data_plane_ports"] = ",".join(
+          str(p) for p in old.info["slice_data_plane_ports"])
+      args += [f for f in ("--slice_transfer_ports=", "--slice_data_plane_ports=")
+               if not any(a.startswith(f) for a in args)]
     args = [f"{a.split('=', 1)[0]}={pinned[a.split('=', 1)[0]]}"
             if a.split("=", 1)[0] in pinned and pinned[a.split("=", 1)[0]] is not None else a
             for a in args] + list(extra_args)

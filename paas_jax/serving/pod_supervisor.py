@@ -10,7 +10,9 @@ to serve, and writes the ready file (its own pid, process 0's ready file --
 control and transfer ports -- the processes' pids and incarnation). A decode
 slice's every process serves its own StateTransfer port: the supervisor
 fixes those ports at the first start, so that a restarted slice is reached
-where its broker and its prefill pod expect it. When any process of the pod
+where its broker and its prefill pod expect it (a supervisor started again
+in a killed one's place is given them: ``--<kind>_transfer_ports``,
+``--<kind>_data_plane_ports``). When any process of the pod
 exits, every other one is killed at once -- so an in-flight request's Prefill
 stream breaks (UNAVAILABLE at the broker, which prefills it elsewhere) instead
 of waiting in a collective -- and the whole pod starts again on the same
@@ -65,7 +67,8 @@ class RegionProcesses:
   def own_flags(self) -> tuple[str, ...]:
     """Flags the supervisor sets per process (dropped from the arguments it passes on)."""
     return ("--port", "--transfer_port", "--ready_file", f"--{self.kind}_fault",
-            f"--{self.kind}_process_id", f"--{self.kind}_coordinator") + (
+            f"--{self.kind}_process_id", f"--{self.kind}_coordinator",
+            f"--{self.kind}_transfer_ports", f"--{self.kind}_data_plane_ports") + (
                 ("--data_plane_port",) if self.own_data_plane_ports else ())
 
 
@@ -90,6 +93,12 @@ def define_region_flags(kind: str) -> None:
                      "every exchange between its processes.")
   flags.DEFINE_integer(f"max_{kind}_restarts", 5, f"{noun.capitalize()} restarts (as a "
                        "unit) before the supervisor gives up.")
+  flags.DEFINE_list(f"{kind}_transfer_ports", [], "StateTransfer ports of processes 1, 2, "
+                    "... when each serves one (a decode slice); empty: free ports. A "
+                    "supervisor started again in their place (LocalCluster.restart) gets "
+                    "the old ones, so the broker, the pod and the relay still reach them.")
+  flags.DEFINE_list(f"{kind}_data_plane_ports", [], "TCP data-plane ports of processes 0, "
+                    "1, ... (a decode slice), likewise; empty: free ports.")
 
 
 def passed_on(argv: Sequence[str], region: RegionProcesses = RegionProcesses()) -> list[str]:
@@ -148,6 +157,18 @@ class _Pod:
         p.wait()
 
 
+def _fixed_ports(region: RegionProcesses, name: str, count: int) -> list[int]:
+  """``--<kind>_<name>`` as ints ([] when not given).
+
+  Raises:
+    ValueError: not ``count`` ports.
+  """
+  given = [int(p) for p in getattr(FLAGS, f"{region.kind}_{name}", [])]
+  if given and len(given) != count:
+    raise ValueError(f"--{region.kind}_{name} needs {count} ports, got {given}")
+  return given
+
+
 def supervise(argv: Sequence[str], region: RegionProcesses | None = None) -> int:
   """Runs the region until SIGTERM (0) or until it failed ``max_restarts``
   times in a row (1). ``region``: None: the prefill pod of the ``--pod_*`` flags."""
@@ -161,10 +182,12 @@ def supervise(argv: Sequence[str], region: RegionProcesses | None = None) -> int
   ready = pathlib.Path(FLAGS.ready_file) if FLAGS.ready_file else None
   ready0 = pathlib.Path(f"{ready or f'/tmp/pod_prefill.{os.getpid()}'}.process0.json")
   port = FLAGS.port
-  transfer_ports = [FLAGS.transfer_port] + [free_port() if region.own_transfer_ports else 0
-                                            for _ in range(1, region.processes)]
-  data_plane_ports = ([free_port() for _ in range(region.processes)]
-                      if region.own_data_plane_ports else [])
+  fixed_transfer = _fixed_ports(region, "transfer_ports", region.processes - 1)
+  fixed_data_plane = _fixed_ports(region, "data_plane_ports", region.processes)
+  transfer_ports = [FLAGS.transfer_port] + (fixed_transfer or [
+      free_port() if region.own_transfer_ports else 0 for _ in range(1, region.processes)])
+  data_plane_ports = fixed_data_plane or ([free_port() for _ in range(region.processes)]
+                                          if region.own_data_plane_ports else [])
   restarts: list[dict] = []
   incarnation = 0
   while not stop.is_set():

@@ -123,7 +123,6 @@ def test_a_decode_slice_keeps_an_explicit_prefix_block():
 
 
 @pytest.mark.parametrize("given, flag", [
-    ({"fault": "kill_decode"}, "--fault=kill_decode"),
     ({"fault": "kill_prefill"}, "--fault=kill_prefill"),
     ({"decode_slice_devices": 0}, "--decode_slice_devices"),
 ])
@@ -133,7 +132,8 @@ def test_a_decode_slice_refuses_a_flag_it_conflicts_with_and_names_it(given, fla
 
 
 @pytest.mark.parametrize("given", [{"decode_regions": 2}, {"fault": "drop_link"},
-                                   {"fault": "stall_link"}, {"fault": "corrupt_state"}])
+                                   {"fault": "stall_link"}, {"fault": "corrupt_state"},
+                                   {"fault": "kill_decode"}])
 def test_a_decode_slice_takes_several_regions_and_the_wan_and_state_faults(given):
   pools = resolve_pools(**{**DEFAULTS, "decode_slice": 2, **given})
   assert pools.prefill_pod == 2
@@ -153,11 +153,11 @@ def test_flags_that_need_a_slice_or_a_pod_are_refused_without_one(given, flag):
 
 def test_the_demo_refuses_a_conflicting_flag_up_front_without_a_traceback(tmp_path):
   proc = subprocess.run(
-      [sys.executable, str(DEMO), "--decode_slice=2", "--fault=kill_decode",
+      [sys.executable, str(DEMO), "--decode_slice=2", "--fault=kill_prefill",
        f"--json_out={tmp_path / 'report.json'}", f"--workdir={tmp_path / 'work'}"],
       capture_output=True, text=True, timeout=300, cwd=REPO)
   assert proc.returncode != 0
-  assert "--fault=kill_decode" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+  assert "--fault=kill_prefill" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
   assert not (tmp_path / "work").exists()  # nothing started
 
 

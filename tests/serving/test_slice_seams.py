@@ -143,6 +143,10 @@ def test_the_supervisor_gives_every_slice_process_its_own_flags():
       "--slice_processes=2", "--config=tiny_gdn_gqa"]
   assert "--data_plane_port=9" in pod_supervisor.passed_on(argv + ["--data_plane_port=9"],
                                                            region)
+  # The ports a restarted supervisor is given are its own, never a process's.
+  pinned = ["--slice_transfer_ports=41", "--slice_data_plane_ports=42,43"]
+  assert pod_supervisor.passed_on(argv + pinned, tcp) == ["--slice_processes=2",
+                                                           "--config=tiny_gdn_gqa"]
 
 
 def test_the_launcher_relays_every_slice_processs_data_plane():

@@ -280,3 +280,41 @@ def test_a_flaky_wan_in_front_of_a_slice_cuts_every_process_and_requests_survive
       _wait_remote(client)
   finally:
     cluster.stop()
+
+
+@pytest.mark.slow  # its own cluster, and the slice starts twice
+def test_a_killed_slice_supervisor_restarts_on_every_old_port(tmp_path, reference):
+  """The demo's kill_decode against a slice: SIGKILL the slice's supervisor
+  (its processes die with it) and start it again (``LocalCluster.restart``).
+  Every process's transfer and data-plane port is the old one, so the
+  broker's entry, the pod and the relay's routes still reach it, and a
+  remote request is token-exact again."""
+  spec = ClusterSpec(n_slots=4, max_queue=8, max_ctx=256, prefill_buckets=(64,),
+                     prefill_max_batch=1, threshold=16, prefill_pod=2, decode_slice=2,
+                     link=LinkSpec(bandwidth_bps=200e6, rtt_s=0.01))
+  cluster = LocalCluster(spec, tmp_path).start()
+  try:
+    first = dict(cluster.procs["decode"].info)
+    assert cluster.kill("decode") == -signal.SIGKILL
+    cluster.restart("decode")
+    again = cluster.procs["decode"].info
+    assert not set(again["pod_pids"]) & set(first["pod_pids"])
+    for key in ("port", "transfer_port", "slice_transfer", "slice_data_plane_ports"):
+      assert again[key] == first[key], key
+    with BrokerClient(cluster.broker_address, timeout_s=180) as client:
+      deadline = time.monotonic() + 180
+      while True:  # until the broker's health checks take the slice back
+        try:
+          _wait_remote(client, 180)
+          break
+        except GenerationError as e:
+          assert e.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e
+          time.sleep(0.5)
+      prompt = _prompt(50, 95)
+      out = client.generate(prompt_ids=prompt, max_new_tokens=6, route="remote",
+                            request_id="after-supervisor-restart")
+      assert out.route == "prfaas" and out.tokens == reference(tuple(prompt), 6), out.summary
+    stats = _idle_stats(cluster, "decode", serving_pb2_grpc.DecodeStub)
+    assert all(stats[f"slice_bytes_in:{q}"] > 0 for q in (0, 1)), stats
+  finally:
+    cluster.stop()

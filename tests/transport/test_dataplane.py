@@ -51,9 +51,11 @@ def test_round_trip_token_exact_and_connections_reused(config, state, make_rx):
     # Long-lived connections: three transfers, three connections in all.
     assert rx.data_plane.connections_total == 3
     lanes = [l for p in sender.data_planes for l in p.lanes()]
-    # Striped: whichever lane is free takes the next frame, so on a loaded
-    # machine one lane may sit out, but not all but one.
-    assert len(lanes) == 3 and sum(l.frames_sent > 0 for l in lanes) >= 2
+    # Striped: whichever lane is free takes the next frame. Which lanes those
+    # are is up to the scheduler: a CI run beside other load had one lane carry
+    # all three transfers (each small state is one BUNDLE frame), so only the
+    # three lanes and the frames they carried are checked here.
+    assert len(lanes) == 3 and sum(l.frames_sent for l in lanes) >= 3
   assert_clean(rx)
 
 

@@ -41,6 +41,7 @@ def ckpt(tmp_path_factory):
   (d / "config.json").write_text(json.dumps(cfg))
   (d / "tokenizer_config.json").write_text(json.dumps(
       {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}))
+  common.enable_compilation_cache(common.default_compilation_cache())
   f32, tok = common.load_model("", checkpoint=str(d))
   model = common.with_dtype(f32, "bfloat16")
   ids = tok.encode(TEXT).ids

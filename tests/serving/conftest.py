@@ -45,6 +45,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ref_model():
+  common.enable_compilation_cache(common.default_compilation_cache())
   model, _ = common.load_model(CONFIG, SEED)
   return model
 

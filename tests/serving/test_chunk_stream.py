@@ -24,6 +24,8 @@ from paas_jax.transport import (ReceiverOptions, SenderOptions, StateReceiver, S
                                 serve_receiver)
 from paas_jax.transport.channels import make_channels
 
+common.enable_compilation_cache(common.default_compilation_cache())
+
 CHUNK = 64
 ENGINE = EngineConfig(n_slots=1, max_ctx=512, prefill_buckets=(CHUNK,), prefill_max_batch=1)
 PROMPT_LEN = 300  # 5 chunks: 4 full + 44 tokens

@@ -23,6 +23,8 @@ from paas_jax.serving.launch import ClusterSpec, LocalCluster
 from paas_jax.serving.prefill_engine import PrefillEngine, PrefillInput
 from paas_jax.serving.validation import EngineError, RequestParams
 
+common.enable_compilation_cache(common.default_compilation_cache())
+
 ENGINE = EngineConfig(n_slots=3, max_ctx=128, page_size=16, prefill_buckets=(64,),
                       prefill_max_batch=1)
 SAMPLINGS = [(0.0, 0, 1.0), (0.8, 0, 0.9), (1.0, 30, 1.0)]

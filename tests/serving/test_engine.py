@@ -15,6 +15,8 @@ from paas_jax.serving.slot_pool import PageAllocator, PoolExhaustedError
 from paas_jax.serving.validation import InvalidRequestError, RequestParams, validate_request
 from tests.serving.engine_rig import decode_to_completion
 
+common.enable_compilation_cache(common.default_compilation_cache())
+
 ENGINE = EngineConfig(n_slots=3, max_ctx=256, page_size=16, prefill_buckets=(64,),
                       prefill_max_batch=2)
 

@@ -43,6 +43,7 @@ def _prompt(salt: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def stack():
+  common.enable_compilation_cache(common.default_compilation_cache())
   model, _ = common.load_model("tiny_gdn_gqa", 0)
   ec = EngineConfig(n_slots=2, max_ctx=128, prefill_buckets=(64,), prefill_max_batch=1)
   damage = handoff_probe.fault_hook(FaultPlan(corrupt_states=1 << 30), model.config)

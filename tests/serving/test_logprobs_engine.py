@@ -18,6 +18,8 @@ from paas_jax.serving.prefill_engine import PrefillEngine, PrefillInput
 from paas_jax.serving.validation import InvalidRequestError, RequestParams, validate_request
 from paas_jax.state import sensitivity
 
+common.enable_compilation_cache(common.default_compilation_cache())
+
 ENGINE = EngineConfig(n_slots=2, max_ctx=128, page_size=16, prefill_buckets=(64,),
                       prefill_max_batch=2)
 N_NEW = 5

@@ -54,6 +54,7 @@ def _assert_same_state(a, b) -> None:
 @pytest.fixture(scope="module")
 def regions():
   """(prefill server, decode server, prefill stub, decode stub), in this process."""
+  common.enable_compilation_cache(common.default_compilation_cache())
   model, _ = common.load_model(CONFIG, SEED)
   cfg = EngineConfig(n_slots=2, max_ctx=512, prefill_buckets=(128,), prefill_max_batch=1,
                      prefix_block=PREFIX_BLOCK)

@@ -29,6 +29,7 @@ TEXT = ServedText(name="served-tiny", kind="", chat_template="{{ messages }}",
 
 @pytest.fixture(scope="module")
 def stack():
+  common.enable_compilation_cache(common.default_compilation_cache())
   model, _ = common.load_model(CONFIG, 0)
   d = decode_server.start(model, EngineConfig(n_slots=1, max_ctx=MAX_CTX,
                                               prefill_buckets=(64,), prefill_max_batch=1),

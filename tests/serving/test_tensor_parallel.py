@@ -29,6 +29,8 @@ from paas_jax.serving.prefill_engine import PrefillEngine, PrefillInput
 from paas_jax.serving.validation import RequestParams
 from tests.serving.engine_rig import decode_to_completion
 
+common.enable_compilation_cache(common.default_compilation_cache())
+
 CONFIG = "tiny_gdn_gqa"
 ENGINE = EngineConfig(n_slots=2, max_ctx=128, page_size=16, prefill_buckets=(64,),
                       prefill_max_batch=2)

@@ -35,6 +35,8 @@ from paas_jax.serving.prefill_engine import PrefillEngine, PrefillInput
 from paas_jax.serving.validation import RequestParams
 from paas_jax.state import abstract_state, logit_probe, round_up
 
+common.enable_compilation_cache(common.default_compilation_cache())
+
 CONFIG = "tiny_gdn_gqa_8h"
 PROMPT = tuple(int(t) for t in np.random.default_rng(8).integers(0, 256, 45))
 

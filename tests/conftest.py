@@ -26,7 +26,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # XLA:CPU crashes a pytest worker now and then (SIGSEGV in libgcc's unwinder,
 # classify_object_over_fdes, reading an .eh_frame registered by a JIT and no
 # longer mapped; reached from executable.serialize() and from compiles, in
-# different tests; about one clean-clone run in four). The cause is in
+# different tests; one clean-clone run in three to seven). The cause is in
 # native code we do not own, and no test of ours reproduces it alone. With
 # --max-worker-restart=0 (pyproject.toml says why) the session stops at the
 # crash. So the controller reruns, once and in a fresh session, the crashed

@@ -46,6 +46,19 @@ def _idle_stats(cluster, name: str, stub) -> dict:
   return s
 
 
+def _wait_slice_back(client, deadline_s: float = 180) -> None:
+  """Until the broker's health checks take a restarted slice back and it routes
+  to region A again (UNAVAILABLE meanwhile)."""
+  deadline = time.monotonic() + deadline_s
+  while True:
+    try:
+      _wait_remote(client, deadline_s)
+      return
+    except GenerationError as e:
+      assert e.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e
+      time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def slice_cluster(tmp_path_factory):
   spec = ClusterSpec(n_slots=4, max_queue=8, max_ctx=256, prefill_buckets=(64,),
@@ -145,15 +158,7 @@ def test_a_lost_slice_process_restarts_the_slice_on_the_same_ports(slice_cluster
   assert again["slice_data_plane_ports"] == first["slice_data_plane_ports"]  # relay routes
   with BrokerClient(cluster.broker_address, timeout_s=180,
                     credentials=cluster.client_credentials()) as client:
-    # Until the broker's health checks take the slice back (UNAVAILABLE meanwhile).
-    deadline = time.monotonic() + 180
-    while True:
-      try:
-        _wait_remote(client, 180)
-        break
-      except GenerationError as e:
-        assert e.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e
-        time.sleep(0.5)
+    _wait_slice_back(client)
     prompt = _prompt(50, 20)
     before = cluster.relay_stats()["route_bytes"].get("slicedataplane1", 0)
     out = client.generate(prompt_ids=prompt, max_new_tokens=6, route="remote",
@@ -302,14 +307,7 @@ def test_a_killed_slice_supervisor_restarts_on_every_old_port(tmp_path, referenc
     for key in ("port", "transfer_port", "slice_transfer", "slice_data_plane_ports"):
       assert again[key] == first[key], key
     with BrokerClient(cluster.broker_address, timeout_s=180) as client:
-      deadline = time.monotonic() + 180
-      while True:  # until the broker's health checks take the slice back
-        try:
-          _wait_remote(client, 180)
-          break
-        except GenerationError as e:
-          assert e.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e
-          time.sleep(0.5)
+      _wait_slice_back(client)
       prompt = _prompt(50, 95)
       out = client.generate(prompt_ids=prompt, max_new_tokens=6, route="remote",
                             request_id="after-supervisor-restart")

@@ -57,16 +57,19 @@ def relay_routes(shapes: Sequence[pd_roles.NodeShape], pd_info: Sequence[Mapping
   routes += [f"transfer{i}={dial}:0->{local_transfer[i]}@a_to_b"
              for i in range(1, len(pd_info))]
   # Each slice's other processes' StateTransfer ports and data planes (each
-  # process binds its data plane on data_plane_host at a port its supervisor
-  # fixed for the slice's lifetime: pod_supervisor).
+  # process binds its data plane at a port its supervisor fixed for the slice's
+  # lifetime, pod_supervisor: on data_plane_host, or on its own node's address
+  # when it runs on another node than the relay, ray_pods).
   for node, (shape, d) in enumerate(zip(shapes, pd_info)):
     others = slice_others(shape, d)
     for q, address in enumerate(others, 1):
       routes.append(f"{slice_route_names(node, q)[0]}={dial}:0->{address}@a_to_b")
     if others and tcp:
-      for q, dp in enumerate(d["slice_data_plane_ports"][1:], 1):
-        routes.append(f"{slice_route_names(node, q)[1]}={dial}:{dp}->{data_plane_host}:{dp}"
-                      "@a_to_b")
+      ports = d["slice_data_plane_ports"]
+      hosts = d.get("slice_data_plane_hosts") or [data_plane_host] * len(ports)
+      for q in range(1, len(ports)):
+        routes.append(f"{slice_route_names(node, q)[1]}={dial}:{ports[q]}->"
+                      f"{hosts[q]}:{ports[q]}@a_to_b")
   names = [r.split("=", 1)[0] for r in routes]
   if len(set(names)) != len(names):  # the relay keys its ports by route name
     raise ValueError(f"relay routes share a name: {sorted(names)}")

@@ -78,10 +78,12 @@ def region_of(args: Sequence[str], max_restarts: int = 3) -> RegionProcesses | N
 
 def process_args(args: Sequence[str], region: RegionProcesses, process_id: int, *,
                  coordinator: str, host: str, port: int, transfer_port: int | None,
-                 data_plane_port: int | None = None, first: bool = True) -> list[str]:
+                 data_plane_port: int | None = None, data_plane_host: str | None = None,
+                 first: bool = True) -> list[str]:
   """Process ``process_id``'s command line, from its supervisor's (pure): the
   supervisor's per-process flags replaced as ``pod_supervisor._Pod`` sets them,
-  ``--host`` its own node's address, the fault plan only in the first
+  ``--host`` its own node's address, ``--data_plane_host`` replaced by
+  ``data_plane_host`` when given, the fault plan only in the first
   incarnation (``first``). Raises ValueError for a process outside the region, a
   coordinator that is not host:port, or a port the process needs left out."""
   if not 0 <= process_id < region.processes:
@@ -98,10 +100,13 @@ def process_args(args: Sequence[str], region: RegionProcesses, process_id: int, 
     raise ValueError(f"{region.kind} process {process_id} serves a TCP data plane on a "
                      "fixed port: data_plane_port is required")
   kind = region.kind
+  replaced = ("--host",) + (("--data_plane_host",) if data_plane_host else ())
   out = ["-m", region.module,
-         *[a for a in passed_on(args[2:], region) if a.split("=", 1)[0] != "--host"],
+         *[a for a in passed_on(args[2:], region) if a.split("=", 1)[0] not in replaced],
          f"--host={host}", f"--{kind}_process_id={process_id}",
          f"--{kind}_coordinator={coordinator}"]
+  if data_plane_host:
+    out.append(f"--data_plane_host={data_plane_host}")
   if process_id == 0:
     out.append(f"--port={port}")
   if needs_transfer:
@@ -139,6 +144,30 @@ def _ports_on(group, indexes: Sequence[int]) -> list[int]:
   refs = [_free_port.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
       group, placement_group_bundle_index=i)).remote() for i in indexes]
   return ray.get(refs, timeout=120)
+
+
+def relayed_data_plane_hosts(name: str, nodes: Sequence[str], hosts: Sequence[str],
+                             relay_bind: str | None) -> list[str | None]:
+  """Where each process of a region binds its TCP data plane behind a relay (pure).
+
+  The relay runs on the node of process 0 and listens, at the address region
+  A dials (that node's, ``hosts[0]``), on each data plane's announced port. So
+  a process on that node binds on ``relay_bind`` (another loopback address, as
+  on one host), and a process on another node binds on its own node's address,
+  where the relay forwards to it. ``[None] * n`` without a relay (each keeps
+  its supervisor's flags). Raises LaunchError when another node has process
+  0's address: its data plane would bind the very address and port the relay
+  listens on.
+  """
+  if not relay_bind:
+    return [None] * len(nodes)
+  clash = sorted({h for n, h in zip(nodes, hosts) if n != nodes[0] and h == hosts[0]})
+  if clash:
+    raise LaunchError(f"{name}: a node of this {len(nodes)}-process group has the address "
+                      f"{clash[0]} of process 0's node, where the relay listens on every "
+                      "data plane's port; give each node its own address "
+                      "(ray start --node-ip-address)")
+  return [relay_bind if n == nodes[0] else h for n, h in zip(nodes, hosts)]
 
 
 class _GroupPopen:
@@ -187,10 +216,8 @@ class RegionGroup:
     self.nodes = nodes[:region.processes]
     self.hosts = [ips[n] for n in self.nodes]
     flags = _flag_values(args)
-    if len(set(self.nodes)) > 1 and flags.get("--data_plane_host"):
-      # A relay forwards each data plane to a loopback address on its own node.
-      raise LaunchError(f"{name}: a {region.kind} spread over several nodes cannot bind its "
-                        f"data planes on {flags['--data_plane_host']} behind a relay")
+    self.data_plane_hosts = relayed_data_plane_hosts(
+        name, self.nodes, self.hosts, flags.get("--data_plane_host"))
     self.port = int(flags.get("--port", 0))
     # Fixed for the region's lifetime (pod_supervisor), also across
     # LocalCluster.restart (``previous``): a restart is reached where the broker,
@@ -225,7 +252,8 @@ class RegionGroup:
     for p in range(r.processes):
       args = process_args(self.args, r, p, coordinator=coordinator, host=self.hosts[p],
                           port=self.port, transfer_port=self.transfer_ports[p],
-                          data_plane_port=self.data_plane_ports[p], first=first)
+                          data_plane_port=self.data_plane_ports[p],
+                          data_plane_host=self.data_plane_hosts[p], first=first)
       res = dict(self._resources)
       members.append(self._actor_cls.options(
           name=f"paas-{c.cluster_id}-{self.name}.{p}-{self.restarts}",

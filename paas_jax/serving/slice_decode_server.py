@@ -299,7 +299,9 @@ def process_main() -> None:
   address = f"{FLAGS.advertise_host or FLAGS.host}:{transfer.port}"
   if kv is not None:  # process 0 announces every process's transfer address
     kv.key_value_set(f"slice/transfer/{pid}", address)
-    kv.key_value_set(f"slice/data_plane/{pid}", str(data_plane_port))
+    # Where the data plane is bound: behind a relay, the relay forwards to it there.
+    kv.key_value_set(f"slice/data_plane/{pid}",
+                     f"{FLAGS.data_plane_host or FLAGS.host}:{data_plane_port}")
   if pid != 0:
     log.info("slice process %d receiving on %s, following rounds", pid, address)
     follow_rounds(batch, kv)
@@ -309,9 +311,11 @@ def process_main() -> None:
   announce_ms = int(max(region.timeout_s, pod.COMPILE_SKEW_S) * 1000)
   addresses = [address] + [kv.blocking_key_value_get(f"slice/transfer/{q}", announce_ms)
                            for q in range(1, region.num_processes)]
-  data_plane_ports = [data_plane_port] + [
-      int(kv.blocking_key_value_get(f"slice/data_plane/{q}", announce_ms))
+  data_plane_binds = [f"{FLAGS.data_plane_host or FLAGS.host}:{data_plane_port}"] + [
+      kv.blocking_key_value_get(f"slice/data_plane/{q}", announce_ms)
       for q in range(1, region.num_processes)]
+  data_plane_hosts = [b.rpartition(":")[0] for b in data_plane_binds]
+  data_plane_ports = [int(b.rpartition(":")[2]) for b in data_plane_binds]
   slice_info = serving_pb2.DecodeSlice(transfer_targets=addresses,
                                        devices_per_process=region.local_devices)
 
@@ -331,6 +335,7 @@ def process_main() -> None:
   common.write_ready_file(FLAGS.ready_file, {
       "pid": os.getpid(), "port": control.port, "transfer_port": transfer.port,
       "data_plane_port": data_plane_port, "slice_data_plane_ports": data_plane_ports,
+      "slice_data_plane_hosts": data_plane_hosts,
       "slice_transfer": addresses, "metrics_port": metrics_port, "model": model.config.name,
       "slice": region.to_dict(), "precompiled_programs": programs,
       "precompile_s": precompile_s, "startup_s": time.time() - t0})

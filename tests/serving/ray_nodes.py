@@ -2,8 +2,10 @@
 
 A head node without CPUs (it only runs the GCS), one node with the custom
 resource ``region_a`` and one with ``region_b``: the processes of each region
-must land on their own node. Small footprint (no dashboard, 80 MiB object
-stores): the test machine has 2 cores.
+must land on their own node. Further nodes of a region may be added on their
+own loopback addresses (``127.0.0.x``), so that, as on separate machines, no
+two of them bind the same address. Small footprint (no dashboard, 80 MiB
+object stores): the test machine has 2 cores.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ _STORE = 80 * 1024 * 1024
 _START_ATTEMPTS = 3
 
 
-def _start(regions: tuple[str, ...]):
+def _start(regions: tuple[str, ...], more: dict[str, tuple[str, ...]]):
   cluster = Cluster(initialize_head=True,
                     head_node_args=dict(num_cpus=0, include_dashboard=False,
                                         object_store_memory=_STORE))
@@ -33,6 +35,11 @@ def _start(regions: tuple[str, ...]):
     nodes = {r: cluster.add_node(num_cpus=2 if r == "a" else 4, resources={f"region_{r}": 1},
                                  object_store_memory=_STORE)
              for r in regions}
+    for r, addresses in more.items():
+      for i, address in enumerate(addresses, 1):
+        nodes[f"{r}{i}"] = cluster.add_node(num_cpus=2, resources={f"region_{r}": 1},
+                                            object_store_memory=_STORE,
+                                            node_ip_address=address)
   except Exception:
     cluster.shutdown()
     raise
@@ -40,12 +47,15 @@ def _start(regions: tuple[str, ...]):
 
 
 @contextlib.contextmanager
-def labelled_ray_cluster(regions: tuple[str, ...] = ("a", "b")):
+def labelled_ray_cluster(regions: tuple[str, ...] = ("a", "b"),
+                         more: dict[str, tuple[str, ...]] | None = None):
   """Yields (cluster, {region: node id}) with ray.init() connected: one node
-  per region letter, carrying the custom resource ``region_<letter>``."""
+  per region letter, carrying the custom resource ``region_<letter>``.
+  ``more``: further nodes of a region, one per address given (keys ``b1``,
+  ``b2``, ... in the dict yielded)."""
   for attempt in range(1, _START_ATTEMPTS + 1):
     try:
-      cluster, nodes = _start(regions)
+      cluster, nodes = _start(regions, more or {})
       break
     except Exception as e:  # pylint: disable=broad-except  (Ray raises a bare Exception)
       if "timed out during startup" not in str(e) or attempt == _START_ATTEMPTS:

@@ -5,7 +5,9 @@ supervisor's (pure). Slow: a RayCluster on two region-labelled Ray nodes with
 a prefill pod of 2 and a decode slice of 2, each process its own actor in its
 region's placement group, serves remote and local requests token-exact; a
 pod process killed (its subprocess, then a slice process's actor) restarts
-the whole pod (slice) on the same ports and the next request is token-exact.
+the whole pod (slice) on the same ports and the next request is token-exact;
+a slice spread over two nodes with their own addresses takes its parts through
+the WAN relay on the TCP data plane.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import pytest
 
 from paas_jax.client import BrokerClient, GenerationError
 from paas_jax.netem import LinkSpec
+from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.serving import launch_args, ray_pods
+from paas_jax.serving.child_process import LaunchError
 from paas_jax.serving.launch import ClusterSpec
 from paas_jax.serving.ray_launch import RayCluster, RayPlacement
 
@@ -70,6 +74,24 @@ def test_slice_process_args_fix_transfer_and_data_plane_ports():
   grpc_plane = ray_pods.region_of(
       launch_args.decode_args(ClusterSpec(decode_slice=2, transfer_plane="grpc"), "h", None))
   assert grpc_plane.own_transfer_ports and not grpc_plane.own_data_plane_ports
+
+
+def test_a_slice_spread_over_nodes_binds_its_data_planes_where_the_relay_reaches_them():
+  hosts_of = ray_pods.relayed_data_plane_hosts
+  # Process 0's node runs the relay: its processes bind the other loopback address;
+  # a process on another node binds its own node's address.
+  assert hosts_of("decode", ["n0", "n1", "n0"], ["10.0.1.1", "10.0.1.2", "10.0.1.1"],
+                  "127.0.0.3") == ["127.0.0.3", "10.0.1.2", "127.0.0.3"]
+  assert hosts_of("decode", ["n0", "n1"], ["10.0.1.1", "10.0.1.2"], None) == [None, None]
+  # Two nodes with one address: the other node's data plane would take the relay's port.
+  with pytest.raises(LaunchError, match="10.0.1.1 of process 0's node"):
+    hosts_of("decode", ["n0", "n1"], ["10.0.1.1", "10.0.1.1"], "127.0.0.3")
+  args = launch_args.decode_args(ClusterSpec(decode_slice=2), "10.0.1.1", "127.0.0.3", 0)
+  region = ray_pods.region_of(args)
+  p1 = ray_pods.process_args(args, region, 1, coordinator="10.0.1.1:7100", host="10.0.1.2",
+                             port=0, transfer_port=6001, data_plane_port=6002,
+                             data_plane_host="10.0.1.2")
+  assert [a for a in p1 if a.startswith("--data_plane_host=")] == ["--data_plane_host=10.0.1.2"]
 
 
 def test_process_args_refuse_what_a_process_cannot_run_with():
@@ -178,3 +200,44 @@ def test_pod_and_slice_as_actors_on_ray_nodes_restart_as_units(reference, tmp_pa
     finally:
       cluster.stop()
     assert not cluster.groups
+
+
+@pytest.mark.slow
+def test_a_slice_spread_over_two_nodes_takes_its_parts_through_the_relay(reference, tmp_path):
+  """A slice of 2 over two region_b nodes with their own addresses (as two
+  machines), behind the emulated link on the TCP data plane: the relay, on
+  process 0's node, forwards process 1's data plane to process 1's node."""
+  spec = ClusterSpec(n_slots=4, max_queue=8, max_ctx=256, prefill_buckets=(64,),
+                     prefill_max_batch=1, threshold=16, decode_slice=2, prefill_pod=1,
+                     link=LinkSpec(bandwidth_bps=200e6, rtt_s=0.01), tls=True)
+  assert spec.transfer_plane == "tcp"
+  with labelled_ray_cluster(more={"b": ("127.0.0.22",)}) as (_, nodes):
+    cluster = RayCluster(spec, tmp_path, RayPlacement(
+        address="auto", max_restarts=0, region_b_slice_strategy="STRICT_SPREAD"))
+    try:
+      cluster.start()
+      slice_ = cluster.procs["decode"]
+      where = [w["node_id"] for w in slice_.info["processes"]]
+      assert set(where) == {nodes["b"], nodes["b1"]}, where
+      relay_node = cluster.procs["relay"].info["node_id"]
+      assert where[0] == relay_node
+      # Process 1 bound its data plane on its own node's address, process 0 beside
+      # the relay on the other loopback address.
+      assert slice_.info["slice_data_plane_hosts"][1] == slice_.hosts[1] != slice_.hosts[0]
+      assert slice_.info["slice_data_plane_hosts"][0] == "127.0.0.3"
+      with BrokerClient(cluster.broker_address, timeout_s=180,
+                        credentials=cluster.client_credentials()) as client:
+        out = _remote_exact(client, reference, 7)
+        assert out.route == "prfaas"
+      with cluster.channel("decode") as ch:
+        stats = dict(serving_pb2_grpc.DecodeStub(ch).GetStats(serving_pb2.StatsRequest(),
+                                                              timeout=30).gauges)
+      assert all(stats[f"slice_bytes_in:{q}"] > 0 for q in (0, 1)), stats
+      # Both processes' parts crossed the emulated link on their data-plane routes.
+      deadline = time.monotonic() + 30
+      while not all((cluster.relay_stats() or {}).get("route_bytes", {}).get(r, 0) > 0
+                    for r in ("dataplane0", "slicedataplane1")):
+        assert time.monotonic() < deadline, cluster.relay_stats()
+        time.sleep(0.2)
+    finally:
+      cluster.stop()

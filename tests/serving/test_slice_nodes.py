@@ -132,6 +132,27 @@ def test_every_slice_process_gets_its_own_relay_route_and_broker_address():
   assert launch_routes.direct_entries(flat, info, local[0], local)[1] == "127.0.0.1:7100"
 
 
+def test_a_slice_process_on_another_node_is_relayed_to_its_own_address():
+  """Under Ray a slice may spread over nodes: the relay (on process 0's node)
+  forwards each other process's data plane to where that process bound it, as
+  its ready file says, not to the relay node's loopback address."""
+  info = dict(_ready([7000, 7001, 7002], 0),
+              slice_data_plane_hosts=["127.0.0.3", "10.0.0.7", "127.0.0.3"])
+  local = [f"127.0.0.1:{info['transfer_port']}"]
+  kw = dict(dial="10.0.0.2", local="127.0.0.1", transfer_target=local[0],
+            control_target="a:1", prefix_target="a:2", local_transfer=local, tcp=True,
+            data_plane_host="127.0.0.3")
+  by_name = dict(r.split("=", 1) for r in launch_routes.relay_routes([pd_roles.SLICE], [info],
+                                                                     **kw))
+  assert by_name["slicedataplane1"] == "10.0.0.2:9001->10.0.0.7:9001@a_to_b"
+  assert by_name["slicedataplane2"] == "10.0.0.2:9002->127.0.0.3:9002@a_to_b"
+  # Control: a ready file without the hosts (one node) gets data_plane_host for all.
+  del info["slice_data_plane_hosts"]
+  by_name = dict(r.split("=", 1) for r in launch_routes.relay_routes([pd_roles.SLICE], [info],
+                                                                     **kw))
+  assert by_name["slicedataplane1"] == "10.0.0.2:9001->127.0.0.3:9001@a_to_b"
+
+
 def test_a_slice_without_its_processes_or_with_clashing_routes_is_refused():
   with pytest.raises(ValueError, match="lists no other process"):
     launch_routes.slice_others(pd_roles.SLICE, {"slice_transfer": ["127.0.0.1:1"]})

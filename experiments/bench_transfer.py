@@ -70,6 +70,8 @@ flags.DEFINE_bool("wan", False, "Only the emulated-WAN runs (experiments/wan_pla
                   "relay's own ceiling, then data-plane utilization with 1 and --lanes "
                   "connections at --wan_rate_gbit and --wan_rtt_ms.")
 flags.DEFINE_float("wan_rtt_ms", 30.0, "Round-trip time of the emulated link (--wan).")
+flags.DEFINE_enum("wan_engine", "splice", ["splice", "asyncio"], "The relay's engine for the "
+                  "link runs (--wan); the ceiling is measured for both.")
 flags.DEFINE_integer("wan_window_kib", 256, "Unacknowledged KiB per data-plane connection "
                      "(--wan): one connection's window on the long path.")
 flags.DEFINE_float("wan_rate_gbit", 0.0, "Rate of the emulated link in Gbit/s (--wan); 0: half "
@@ -401,16 +403,21 @@ def main(argv):
     from experiments import wan_planes
     from paas_jax.models import load_config
     ceiling = wan_planes.relay_ceiling(connections=FLAGS.lanes)
-    best = max(ceiling["gbps_by_connections"].values())
+    best = max(ceiling["by_path"][FLAGS.wan_engine].values())
     rate_bps = FLAGS.wan_rate_gbit * 1e9 if FLAGS.wan_rate_gbit > 0 else best * 8e9 / 2
     results["flags"].update(wan=True, wan_rtt_ms=FLAGS.wan_rtt_ms, wan_rate_bps=rate_bps,
-                            lanes=FLAGS.lanes)
+                            lanes=FLAGS.lanes, wan_engine=FLAGS.wan_engine,
+                            wan_window_kib=FLAGS.wan_window_kib)
     results["relay_ceiling"] = ceiling
-    print("relay ceiling (GB/s by connections):", ceiling["gbps_by_connections"], flush=True)
+    for path, by_n in ceiling["by_path"].items():
+      print(f"raw TCP {path:>8} (GB/s by connections): "
+            + ", ".join(f"{n}: {v:.2f} (x{ceiling['vs_direct'][path][n]:.2f} direct)"
+                        for n, v in by_n.items()), flush=True)
     for name, n in zip(models, tokens):
       r = wan_planes.wan_utilization(load_config(name), n, rate_bps, FLAGS.wan_rtt_ms / 1e3,
                                      lanes=sorted({1, FLAGS.lanes}), repeats=FLAGS.repeats,
-                                     window_bytes=FLAGS.wan_window_kib << 10)
+                                     window_bytes=FLAGS.wan_window_kib << 10,
+                                     engine=FLAGS.wan_engine)
       results["models"][name] = r
       for lanes, v in r["lanes"].items():
         print(f"{name}: link {rate_bps / 1e9:.2f} Gbit/s rtt {FLAGS.wan_rtt_ms:g} ms, "

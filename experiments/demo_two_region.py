@@ -38,6 +38,7 @@ from experiments.demo_workload import (PAPER_T, compute_reference, inject_fault,
                                        server_stats, summarize)
 from paas_jax.netem import (BandwidthTrace, LinkSpec, describe,  # noqa: E402
                             netns_available, parse_rate)
+from paas_jax.netem.splice_relay import default_engine  # noqa: E402
 from paas_jax.serving.launch import ClusterSpec, LocalCluster  # noqa: E402
 from paas_jax.serving import tenant_report  # noqa: E402
 from paas_jax.serving.ray_launch import RayCluster, RayPlacement  # noqa: E402
@@ -67,6 +68,9 @@ flags.DEFINE_float("jitter_ms", 2.0, "Standard deviation of the one-way delay.")
 flags.DEFINE_enum("netem", "relay", ["relay", "netns", "auto"],
                   "relay: userspace relay (anywhere); netns: region A in a network namespace "
                   "with tbf shaping plus the relay for delay (root); auto: netns if possible.")
+flags.DEFINE_enum("relay_engine", default_engine(), ["asyncio", "splice"],
+                  "The relay's forwarding: asyncio (portable) or splice (Linux, in the "
+                  "kernel; for fast links).")
 flags.DEFINE_integer("n_slots", 8, "Decode slots in region B.")
 flags.DEFINE_integer("pd_nodes", 1, "PD nodes (decode servers) in region B; > 1 splits them into "
                      "PD-P and PD-D roles (report: routing.router.roles / role_moves).")
@@ -209,7 +213,7 @@ def main(argv):
                      decode_regions=FLAGS.decode_regions, region_links=tuple(region_links),
                      tenant_sharing=FLAGS.tenant_sharing, tenant_weights=FLAGS.tenant_weights,
                      max_ctx=context, max_queue=FLAGS.max_queue, prefill_buckets=buckets,
-                     threshold=threshold, link=link, netem=netem,
+                     threshold=threshold, link=link, netem=netem, relay_engine=FLAGS.relay_engine,
                      codec_compression=FLAGS.codec, router=FLAGS.router,
                      transfer_plane=FLAGS.transfer_plane,
                      prefix_block=pools.prefix_block, rebalance_every_s=2.0,

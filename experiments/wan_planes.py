@@ -2,12 +2,16 @@
 utilization of 1 versus N connections at a rate below that ceiling and a
 20-50 ms RTT. Flag-free (``bench_transfer.py --wan`` drives it).
 
-The relay (``python -m paas_jax.netem``) runs in its own process; the receiver
-(gRPC port and data plane, the latter on another loopback address so that the
-relay can take the announced port number) in another; the sender here. Each
-relay connection holds at most ``max_queued_bytes`` (1 MiB) in flight, like a
-TCP window on a long path, so one connection is limited to ~1 MiB per RTT and N
-connections to N times that: the effect the data plane's lanes are for.
+The relay (``python -m paas_jax.netem``, ``--engine`` asyncio or splice) runs in
+its own process; the receiver (gRPC port and data plane, the latter on another
+loopback address so that the relay can take the announced port number) in
+another; the sender here. The ceiling is measured for both relay engines next
+to the same sender and receiver without a relay. On the link, what one
+connection may have unacknowledged (``window_bytes``, the data plane's window)
+stands in for one TCP connection's window on a long path, so one connection is
+limited to about a window per RTT and N connections to N times that: the effect
+the data plane's lanes are for. The asyncio relay also holds at most 1 MiB per
+connection; the splice relay the link's one-way bandwidth-delay product.
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ def _serve_receiver_at(conn, models: dict, data_host: str) -> None:
 
 
 class Relay:
-  def __init__(self, rate_bps: float, rtt_s: float, routes: list[str]):
+  def __init__(self, rate_bps: float, rtt_s: float, routes: list[str],
+               engine: str = "splice"):
     self.dir = tempfile.mkdtemp(prefix="wan-relay-")
     ready = os.path.join(self.dir, "ready.json")
     args = [sys.executable, "-m", "paas_jax.netem", f"--bandwidth={rate_bps or 0}",
             f"--rtt_ms={rtt_s * 1e3}", "--jitter_ms=0", f"--ready_file={ready}",
-            f"--stats_file={os.path.join(self.dir, 'stats.json')}"]
+            f"--stats_file={os.path.join(self.dir, 'stats.json')}", f"--engine={engine}"]
     args += [f"--route={r}" for r in routes]
     self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     end = time.monotonic() + 120
@@ -60,33 +65,50 @@ class Relay:
       self.proc.kill()
 
 
-def relay_ceiling(nbytes: int = 256 << 20, connections: int = 4) -> dict:
-  """Raw TCP through an unshaped, zero-delay relay: what the emulator itself carries."""
+def _raw_rate(port: int, nbytes: int, n: int) -> float:
+  """GB/s of raw TCP from ``n`` connections at once, ``nbytes`` in all."""
+  socks = [tp._tcp_client(port, None) for _ in range(n)]
+  per = memoryview(bytes(nbytes // n))
+  threads = [threading.Thread(target=tp._tcp_send, args=(s, [per])) for s in socks]
+  t0 = time.perf_counter()
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  dt = time.perf_counter() - t0
+  for s in socks:
+    s.close()
+  return nbytes / dt / 1e9
+
+
+def relay_ceiling(nbytes: int = 256 << 20, connections: int = 4, repeats: int = 3,
+                  engines: tuple[str, ...] = ("asyncio", "splice")) -> dict:
+  """Raw TCP through an unshaped, zero-delay relay of each engine, and straight
+  to the same receiver (no relay), rounds interleaved: what the emulator itself
+  carries. Best of ``repeats`` per row."""
   sink = tp.Child(tp._serve_tcp, None)
-  relay = Relay(0, 0.0, [f"sink=127.0.0.1:0->127.0.0.1:{sink.port}@a_to_b"])
+  relays = {e: Relay(0, 0.0, [f"sink=127.0.0.1:0->127.0.0.1:{sink.port}@a_to_b"], engine=e)
+            for e in engines}
+  ports = {"direct": sink.port, **{e: r.ports["sink"] for e, r in relays.items()}}
   try:
-    out = {}
-    for n in sorted({1, connections}):
-      socks = [tp._tcp_client(relay.ports["sink"], None) for _ in range(n)]
-      per = memoryview(bytes(nbytes // n))
-      threads = [threading.Thread(target=tp._tcp_send, args=(s, [per])) for s in socks]
-      t0 = time.perf_counter()
-      for t in threads:
-        t.start()
-      for t in threads:
-        t.join()
-      dt = time.perf_counter() - t0
-      for s in socks:
-        s.close()
-      out[str(n)] = nbytes / dt / 1e9
-    return {"gbps_by_connections": out, "bytes": nbytes}
+    runs = {row: {str(n): [] for n in sorted({1, connections})} for row in ports}
+    for _ in range(repeats):
+      for n in sorted({1, connections}):
+        for row, port in ports.items():
+          runs[row][str(n)].append(_raw_rate(port, nbytes, n))
+    best = {row: {n: max(v) for n, v in by_n.items()} for row, by_n in runs.items()}
+    return {"by_path": best, "runs": runs, "bytes": nbytes,
+            "vs_direct": {row: {n: v / best["direct"][n] for n, v in by_n.items()}
+                          for row, by_n in best.items()}}
   finally:
-    relay.stop()
+    for relay in relays.values():
+      relay.stop()
     sink.stop()
 
 
 def wan_utilization(config, tokens: int, rate_bps: float, rtt_s: float, lanes=(1, 4),
-                    repeats: int = 2, window_bytes: int = 256 << 10) -> dict:
+                    repeats: int = 2, window_bytes: int = 256 << 10,
+                    engine: str = "splice") -> dict:
   """Goodput / link rate of the data plane with each lane count on the emulated link.
 
   ``window_bytes`` caps what one connection has unacknowledged, standing in
@@ -104,8 +126,10 @@ def wan_utilization(config, tokens: int, rate_bps: float, rtt_s: float, lanes=(1
   rx = tp.Child(_serve_receiver_at, {config.name: config.fingerprint()}, DATA_HOST)
   grpc_port, dp_port = rx.port
   relay = Relay(rate_bps, rtt_s, [f"control=127.0.0.1:0->127.0.0.1:{grpc_port}@a_to_b",
-                                  f"dataplane=127.0.0.1:{dp_port}->{DATA_HOST}:{dp_port}@a_to_b"])
+                                  f"dataplane=127.0.0.1:{dp_port}->{DATA_HOST}:{dp_port}@a_to_b"],
+                engine=engine)
   out = {"rate_bytes_per_s": rate_bps / 8, "rtt_s": rtt_s, "payload_bytes": payload,
+         "relay_engine": engine,
          "window_bytes_per_connection": window_bytes, "lanes": {}}
   try:
     target = f"127.0.0.1:{relay.ports['control']}"

@@ -8,6 +8,9 @@
 
 Writes the bound ports to ``--ready_file`` and the link statistics to
 ``--stats_file`` every ``--stats_interval_s`` and on exit (SIGTERM/SIGINT).
+``--engine=splice`` (the default on Linux) forwards in the kernel
+(``splice_relay``), ~3x the asyncio relay's ceiling; ``--engine=asyncio`` is the
+portable userspace relay.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from absl import app, flags
 
 from paas_jax.netem.link import BandwidthTrace, LinkSpec, describe, parse_rate
 from paas_jax.netem.relay import Relay, Route
+from paas_jax.netem.splice_relay import SpliceRelay, default_engine
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("bandwidth", "100mbit", "Link bandwidth (e.g. 100mbit, 1gbit; 0: unlimited).")
@@ -34,6 +38,12 @@ flags.DEFINE_string("ready_file", None, "JSON with the bound ports, written once
 flags.DEFINE_string("stats_file", None, "JSON link statistics, rewritten periodically.")
 flags.DEFINE_float("stats_interval_s", 0.5, "How often --stats_file is rewritten.")
 flags.DEFINE_integer("seed", 0, "Jitter seed.")
+flags.DEFINE_enum("engine", default_engine(), ["asyncio", "splice"],
+                  "asyncio: the portable userspace relay; splice: forward in the kernel "
+                  "(Linux splice; for high rates).")
+flags.DEFINE_integer("max_queued_mb", 0, "Bytes one direction of one connection may hold "
+                     "on the link (MiB; 0: the engine's default, for splice the link's "
+                     "one-way bandwidth-delay product).")
 
 
 def _write(path: str | None, data: dict) -> None:
@@ -53,9 +63,12 @@ def main(argv):
                   jitter_s=FLAGS.jitter_ms / 1e3,
                   trace=BandwidthTrace.parse(FLAGS.trace) if FLAGS.trace else None,
                   seed=FLAGS.seed, shape_bandwidth=FLAGS.shape_bandwidth)
-  relay = Relay(spec, [Route.parse(r) for r in FLAGS.route]).start()
+  routes = [Route.parse(r) for r in FLAGS.route]
+  queued = {"max_queued_bytes": FLAGS.max_queued_mb << 20} if FLAGS.max_queued_mb else {}
+  relay = (SpliceRelay(spec, routes, **queued) if FLAGS.engine == "splice"
+           else Relay(spec, routes, **queued)).start()
   _write(FLAGS.ready_file, {"pid": os.getpid(), "ports": relay.ports})
-  print(f"netem relay: {describe(spec)}; routes " + ", ".join(
+  print(f"netem relay ({FLAGS.engine}): {describe(spec)}; routes " + ", ".join(
       f"{r.name} :{relay.ports[r.name]} -> {r.target} ({r.direction})" for r in relay.routes),
         flush=True)
   stop = threading.Event()

@@ -53,7 +53,7 @@ class Route:
     return cls(name, listen, target, direction)
 
 
-def _split(address: str) -> tuple[str, int]:
+def split_address(address: str) -> tuple[str, int]:
   host, _, port = address.rpartition(":")
   return host or "127.0.0.1", int(port)
 
@@ -152,7 +152,7 @@ class Relay:
 
   def address(self, name: str, host: str | None = None) -> str:
     route = next(r for r in self.routes if r.name == name)
-    return f"{host or _split(route.listen)[0]}:{self.ports[name]}"
+    return f"{host or split_address(route.listen)[0]}:{self.ports[name]}"
 
   def _run(self) -> None:
     self._loop = asyncio.new_event_loop()
@@ -178,14 +178,14 @@ class Relay:
 
   async def _open(self) -> None:
     for route in self.routes:
-      host, port = _split(route.listen)
+      host, port = split_address(route.listen)
       server = await asyncio.start_server(
           lambda r, w, route=route: self._handle(route, r, w), host, port)
       self._servers.append(server)
       self.ports[route.name] = server.sockets[0].getsockname()[1]
 
   async def _handle(self, route: Route, client_r, client_w) -> None:
-    host, port = _split(route.target)
+    host, port = split_address(route.target)
     try:
       up_r, up_w = await asyncio.open_connection(host, port)
     except OSError as e:

@@ -25,6 +25,7 @@ import grpc
 
 from paas_jax.netem.link import LinkSpec
 from paas_jax.netem.netns import NetnsLink
+from paas_jax.netem.splice_relay import default_engine
 from paas_jax.security import TLSConfig, channel_credentials
 from paas_jax.security import ca as ca_lib
 from paas_jax.security.auth import write_token_files
@@ -65,6 +66,8 @@ class ClusterSpec:
   rebalance_every_s: float = 5.0
   link: LinkSpec | None = None
   netem: str = "relay"  # "relay" | "netns"
+  # The relay's forwarding (netem): "splice" (in the kernel; Linux) or "asyncio".
+  relay_engine: str = dataclasses.field(default_factory=default_engine)
   codec_compression: str = "raw"
   transfer_streams: int = 2
   # What carries state bytes A->B: "tcp" (the data plane, paas_jax.transport.
@@ -271,7 +274,8 @@ class LocalCluster:
           data_plane_host=_DATA_PLANE_HOST)
       relay = self._name(region, "relay")
       self.procs[relay] = self._spawn(
-          relay, launch_args.relay_args(relay_link, self.relay_stats_path(region), routes),
+          relay, launch_args.relay_args(relay_link, self.relay_stats_path(region), routes,
+                                       spec.relay_engine),
           region)
       wait_ready([self.procs[relay]], 60, on_tick)
       ports = self.procs[relay].info["ports"]

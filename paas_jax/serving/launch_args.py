@@ -152,12 +152,14 @@ def decode_args(spec, host: str, data_plane_host: str | None, node: int = 0) -> 
   return args + list(spec.decode_args)
 
 
-def relay_args(link: LinkSpec, stats_file, routes: Sequence[str]) -> list[str]:
-  """The WAN relay of one decode region's link (``routes``: its --route values)."""
+def relay_args(link: LinkSpec, stats_file, routes: Sequence[str],
+               engine: str = "asyncio") -> list[str]:
+  """The WAN relay of one decode region's link (``routes``: its --route values;
+  ``engine``: its forwarding, netem's --engine)."""
   bw = link.bandwidth_bps if link.bandwidth_bps < float("inf") else 0
   args = ["-m", "paas_jax.netem", f"--bandwidth={bw}", f"--rtt_ms={link.rtt_s * 1e3}",
           f"--jitter_ms={link.jitter_s * 1e3}", f"--shape_bandwidth={link.shape_bandwidth}",
-          f"--seed={link.seed}", f"--stats_file={stats_file}",
+          f"--seed={link.seed}", f"--stats_file={stats_file}", f"--engine={engine}",
           *[f"--route={r}" for r in routes]]
   if link.trace is not None:
     trace = ",".join(f"{t}:{r}" for t, r in link.trace.points)

@@ -419,7 +419,7 @@ def main(argv):
       "num_requests": len(reqs), "max_new_tokens": max_new, "threshold_tokens": threshold,
       "length_distribution": {"mu": dist.mu, "sigma": dist.sigma, "lo": dist.lo,
                               "hi": dist.hi, "paper_scale": scale},
-      "netem": netem, "link": link.to_dict(),
+      "netem": netem, "relay_engine": spec.relay_engine, "link": link.to_dict(),
       "errors": len(rows) - len(ok),
       "workload_wall_s": wall,
       "throughput_tokens_per_s": sum(len(r["tokens"]) for r in ok) / wall if wall else None,

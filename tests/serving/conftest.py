@@ -9,6 +9,8 @@ or runs/.jax_cache), so only the first run pays for compilation.
 from __future__ import annotations
 
 import functools
+import socket
+import threading
 import time
 
 import pytest
@@ -89,3 +91,20 @@ def relay_stats_reaching(read_stats, minimum: int, timeout_s: float = 30.0) -> d
     assert time.monotonic() < deadline, (stats, minimum)
     time.sleep(0.2)
   return stats
+
+
+def thread_server(handler) -> tuple[socket.socket, int]:
+  """A TCP server on 127.0.0.1 that runs ``handler(connection)`` in a thread
+  per accepted connection; returns (listening socket, port). Close the socket
+  to stop accepting."""
+  srv = socket.create_server(("127.0.0.1", 0))
+
+  def serve():
+    while True:
+      try:
+        conn, _ = srv.accept()
+      except OSError:
+        return
+      threading.Thread(target=handler, args=(conn,), daemon=True).start()
+  threading.Thread(target=serve, daemon=True).start()
+  return srv, srv.getsockname()[1]

@@ -6,13 +6,14 @@ import math
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from paas_jax.netem import (BandwidthTrace, Link, LinkSpec, NetnsLink, Relay, Route,
                             netns_available, parse_rate)
+from paas_jax.netem.splice_relay import splice_supported
+from tests.serving.conftest import thread_server
 
 
 def test_parse_rate():
@@ -59,10 +60,6 @@ def test_route_parse():
 @pytest.fixture
 def sink_server():
   """Counts bytes; answers b'pong' whenever what it received ends with b'ping'."""
-  srv = socket.socket()
-  srv.bind(("127.0.0.1", 0))
-  srv.listen()
-
   def handle(c):
     with c:
       while True:
@@ -72,15 +69,8 @@ def sink_server():
         if d.endswith(b"ping"):
           c.sendall(b"pong")
 
-  def serve():
-    while True:
-      try:
-        c, _ = srv.accept()
-      except OSError:
-        return
-      threading.Thread(target=handle, args=(c,), daemon=True).start()
-  threading.Thread(target=serve, daemon=True).start()
-  yield srv.getsockname()[1]
+  srv, port = thread_server(handle)
+  yield port
   srv.close()
 
 
@@ -108,11 +98,15 @@ def test_relay_applies_rtt_and_bandwidth(sink_server):
     relay.stop()
 
 
-def test_relay_process_cli(sink_server, tmp_path):
+@pytest.mark.parametrize("engine", ["asyncio", "splice"])
+def test_relay_process_cli(sink_server, tmp_path, engine):
+  if engine == "splice" and not splice_supported():
+    pytest.skip("needs Linux splice")
   ready, stats = tmp_path / "ready.json", tmp_path / "stats.json"
   proc = subprocess.Popen([sys.executable, "-m", "paas_jax.netem", "--bandwidth=0",
                            "--rtt_ms=10", f"--route=c=127.0.0.1:0->127.0.0.1:{sink_server}",
-                           f"--ready_file={ready}", f"--stats_file={stats}"])
+                           f"--ready_file={ready}", f"--stats_file={stats}",
+                           f"--engine={engine}"])
   try:
     deadline = time.monotonic() + 30
     while not ready.exists():
@@ -126,7 +120,9 @@ def test_relay_process_cli(sink_server, tmp_path):
   finally:
     proc.terminate()
     proc.wait(10)
-  assert json.loads(stats.read_text())["a_to_b"]["bytes"] == 4
+  final = json.loads(stats.read_text())
+  assert final["a_to_b"]["bytes"] == 4
+  assert final.get("engine", "asyncio") == engine
 
 
 _NETNS = netns_available()

@@ -5,18 +5,15 @@ real sockets on loopback; bytes arrive exactly, in order, in both directions
 at once (negative control: a relay that loses one chunk is caught); EOF
 crosses in each direction; a receiver that stops reading holds the sender
 back (bounded memory); stop() ends every thread and closes every descriptor;
-an unreachable target closes the client; the relay process takes
-``--engine=splice``.
+an unreachable target closes the client (the relay process with
+``--engine=splice``: test_netem.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,23 +21,10 @@ import pytest
 
 from paas_jax.netem import LinkSpec, Relay, Route, SpliceRelay
 from paas_jax.netem import splice_relay
+from tests.serving.conftest import thread_server
 
 pytestmark = pytest.mark.skipif(not splice_relay.splice_supported(),
                                 reason="needs Linux splice")
-
-
-def _serve(handler) -> tuple[socket.socket, int]:
-  srv = socket.create_server(("127.0.0.1", 0))
-
-  def serve():
-    while True:
-      try:
-        c, _ = srv.accept()
-      except OSError:
-        return
-      threading.Thread(target=handler, args=(c,), daemon=True).start()
-  threading.Thread(target=serve, daemon=True).start()
-  return srv, srv.getsockname()[1]
 
 
 def _digest_server(c: socket.socket) -> None:
@@ -73,7 +57,7 @@ def _recv_all(s: socket.socket) -> bytes:
 
 @pytest.fixture
 def digest_port():
-  srv, port = _serve(_digest_server)
+  srv, port = thread_server(_digest_server)
   yield port
   srv.close()
 
@@ -150,7 +134,7 @@ def test_request_and_answer_take_turns_on_one_connection(blocking, monkeypatch):
   left blocking)."""
   if blocking:
     monkeypatch.setattr(splice_relay.socket.socket, "setblocking", lambda self, flag: None)
-  srv, port = _serve(_echo_server)
+  srv, port = thread_server(_echo_server)
   relay = SpliceRelay(LinkSpec(bandwidth_bps=0, rtt_s=0.0),
                       [Route("x", "127.0.0.1:0", f"127.0.0.1:{port}")]).start()
   answered = 0
@@ -217,7 +201,7 @@ def test_a_receiver_that_stops_reading_holds_the_sender_back(cap_mib):
 
   def stalled(c):  # accepts and never reads
     holding.append(c)
-  srv, port = _serve(stalled)
+  srv, port = thread_server(stalled)
   relay = SpliceRelay(LinkSpec(bandwidth_bps=0, rtt_s=0.0),
                       [Route("x", "127.0.0.1:0", f"127.0.0.1:{port}")],
                       max_queued_bytes=cap_mib << 20).start()
@@ -277,25 +261,3 @@ def test_an_unreachable_target_closes_the_client():
       assert s.recv(1) == b""
   finally:
     relay.stop()
-
-
-def test_the_relay_process_takes_the_splice_engine(digest_port, tmp_path):
-  ready, stats = tmp_path / "ready.json", tmp_path / "stats.json"
-  proc = subprocess.Popen([sys.executable, "-m", "paas_jax.netem", "--engine=splice",
-                           "--bandwidth=1gbit", "--rtt_ms=10",
-                           f"--route=c=127.0.0.1:0->127.0.0.1:{digest_port}",
-                           f"--ready_file={ready}", f"--stats_file={stats}"])
-  try:
-    deadline = time.monotonic() + 30
-    while not ready.exists():
-      assert proc.poll() is None and time.monotonic() < deadline
-      time.sleep(0.05)
-    port = json.loads(ready.read_text())["ports"]["c"]
-    payload = os.urandom(300_000)
-    digest, n, _ = _round_trip(port, payload)
-    assert n == len(payload) and digest == hashlib.sha256(payload).digest()
-  finally:
-    proc.terminate()
-    proc.wait(10)
-  final = json.loads(stats.read_text())
-  assert final["engine"] == "splice" and final["a_to_b"]["bytes"] == len(payload)

@@ -216,6 +216,7 @@ class Relay:
     out["route_bytes"] = dict(self.route_bytes)
     out["routes"] = [dataclasses.asdict(r) | {"port": self.ports.get(r.name)}
                      for r in self.routes]
+    out["engine"] = "asyncio"
     return out
 
   def stop(self) -> None:

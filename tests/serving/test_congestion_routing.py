@@ -137,7 +137,7 @@ def test_link_congestion_shifts_routing_from_the_measured_view(narrow_cluster, r
   sent = json.dumps(stats)
   assert "a_to_b" in sent
   # ... forwarding in the kernel, the launcher's default engine where Linux has it.
-  assert stats.get("engine", "asyncio") == narrow_cluster.spec.relay_engine == "splice"
+  assert stats["engine"] == narrow_cluster.spec.relay_engine == "splice"
 
 
 # -- fast variant: no servers ----------------------------------------------------------------

@@ -122,7 +122,7 @@ def test_relay_process_cli(sink_server, tmp_path, engine):
     proc.wait(10)
   final = json.loads(stats.read_text())
   assert final["a_to_b"]["bytes"] == 4
-  assert final.get("engine", "asyncio") == engine
+  assert final["engine"] == engine
 
 
 _NETNS = netns_available()

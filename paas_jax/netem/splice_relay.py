@@ -157,7 +157,9 @@ class _SplicePump:
         try:
           n = os.splice(fd, pipe.w, room, flags=_MOVE | _NONBLOCK)
         except BlockingIOError:
-          if _ready(fd, select.POLLIN, 0):  # data waits: the pipe's slots are full
+          # Data waiting means the pipe's slots are full; an empty pipe never is
+          # (the data arrived after splice looked).
+          if _ready(fd, select.POLLIN, 0) and pipe.held:
             with self.cv:
               pipe.full = True
           else:
@@ -203,8 +205,9 @@ class _SplicePump:
           pipe.held -= n
           if pipe.held == 0:
             pipe.full = False
-            if len(self.pipes) > 1 and pipe is self.pipes[0]:
-              self.spent.append(self.pipes.popleft())
+            if pipe is not self.pipes[-1]:  # emptied and not being filled: reuse it
+              self.pipes.remove(pipe)
+              self.spent.append(pipe)
           self.cv.notify_all()
       if not self.failed:
         self.dst.shutdown(socket.SHUT_WR)  # the sender's EOF, once everything arrived

@@ -122,8 +122,32 @@ class _Pump:
       pass
 
 
-class Relay:
+class RelayReport:
+  """What both relay engines (``Relay``, ``splice_relay.SpliceRelay``) share:
+  their routes' addresses and statistics. Needs ``link``, ``routes``, ``ports``,
+  ``connections`` and ``route_bytes`` (Counters; a ``dict`` copy is atomic under
+  the GIL, so reading them takes no lock) and ``ENGINE``."""
+
+  ENGINE = ""
+
+  def address(self, name: str, host: str | None = None) -> str:
+    route = next(r for r in self.routes if r.name == name)
+    return f"{host or split_address(route.listen)[0]}:{self.ports[name]}"
+
+  def stats(self) -> dict:
+    out = self.link.stats()
+    out["connections"] = dict(self.connections)
+    out["route_bytes"] = dict(self.route_bytes)
+    out["routes"] = [dataclasses.asdict(r) | {"port": self.ports.get(r.name)}
+                     for r in self.routes]
+    out["engine"] = self.ENGINE
+    return out
+
+
+class Relay(RelayReport):
   """Runs routes over one link on a background event loop."""
+
+  ENGINE = "asyncio"
 
   def __init__(self, spec: LinkSpec, routes: list[Route], *, chunk_bytes: int = 16 << 10,
                max_queued_bytes: int = 1 << 20):
@@ -150,9 +174,6 @@ class Relay:
       raise self._error
     return self
 
-  def address(self, name: str, host: str | None = None) -> str:
-    route = next(r for r in self.routes if r.name == name)
-    return f"{host or split_address(route.listen)[0]}:{self.ports[name]}"
 
   def _run(self) -> None:
     self._loop = asyncio.new_event_loop()
@@ -210,14 +231,6 @@ class Relay:
         except Exception:  # pylint: disable=broad-except
           pass
 
-  def stats(self) -> dict:
-    out = self.link.stats()
-    out["connections"] = dict(self.connections)
-    out["route_bytes"] = dict(self.route_bytes)
-    out["routes"] = [dataclasses.asdict(r) | {"port": self.ports.get(r.name)}
-                     for r in self.routes]
-    out["engine"] = "asyncio"
-    return out
 
   def stop(self) -> None:
     if self._loop is not None and self._loop.is_running():

@@ -41,7 +41,7 @@ import threading
 import time
 
 from paas_jax.netem.link import Direction, Link, LinkSpec, reverse
-from paas_jax.netem.relay import Route, split_address
+from paas_jax.netem.relay import RelayReport, Route, split_address
 
 log = logging.getLogger("paas_jax.netem")
 
@@ -254,8 +254,8 @@ def _ready(fd: int, event: int, timeout_ms: int) -> bool:
 
 class _Connection:
   """A relayed connection's two sockets and pumps; closes them once all four
-  pump threads ended. A pump thread that fails shuts both sockets down, which
-  wakes the others blocked in ``splice``."""
+  pump threads ended. A pump thread that fails shuts both sockets down and
+  fails both pumps, which wakes the others from ``poll`` or their wait."""
 
   THREADS = 4
 
@@ -293,8 +293,10 @@ class _Connection:
         pass
 
 
-class SpliceRelay:
+class SpliceRelay(RelayReport):
   """Runs routes over one link, forwarding in the kernel (see module docstring)."""
+
+  ENGINE = "splice"
 
   def __init__(self, spec: LinkSpec, routes: list[Route], *, chunk_bytes: int | None = None,
                max_queued_bytes: int | None = None):
@@ -326,10 +328,6 @@ class SpliceRelay:
       threading.Thread(target=self._accept_loop, args=(route, server),
                        name=f"relay-{route.name}", daemon=True).start()
     return self
-
-  def address(self, name: str, host: str | None = None) -> str:
-    route = next(r for r in self.routes if r.name == name)
-    return f"{host or split_address(route.listen)[0]}:{self.ports[name]}"
 
   def _accept_loop(self, route: Route, server: socket.socket) -> None:
     while not self._stopping.is_set():
@@ -378,17 +376,6 @@ class SpliceRelay:
   def _count(self, name: str, n: int) -> None:
     with self._lock:
       self.route_bytes[name] += n
-
-  def stats(self) -> dict:
-    out = self.link.stats()
-    with self._lock:
-      out["connections"] = dict(self.connections)
-      out["route_bytes"] = dict(self.route_bytes)
-    out["routes"] = [{"name": r.name, "listen": r.listen, "target": r.target,
-                      "direction": r.direction, "port": self.ports.get(r.name)}
-                     for r in self.routes]
-    out["engine"] = "splice"
-    return out
 
   def stop(self) -> None:
     self._stopping.set()

@@ -69,6 +69,69 @@ def request_prompt(msg) -> tuple[int, ...]:
   return tuple(int(t) for t in msg.prompt_ids) or (0,) * prompt_len
 
 
+def stream_events(job: DecodeJob, context):
+  """The ``Decode`` stream's events after ``accepted``: ``job``'s slot, its
+  tokens (whatever is queued coalesced into one message) and its finish, in
+  the order the scheduler queued them; an error event aborts the RPC."""
+  # An event that ends a coalesced message (a slot or an error) is held here
+  # and handled first on the next round: put back on the queue, it would go
+  # behind the tokens and the finish queued after it, and the broker would
+  # see a request finish before it had a slot.
+  held = None
+  while True:
+    if held is not None:
+      ev, held = held, None
+    else:
+      try:
+        ev = job.events.get(timeout=0.5)
+      except queue.Empty:
+        if not context.is_active():
+          return
+        continue
+    out = serving_pb2.DecodeEvent()
+    if ev.kind == EventKind.ERROR:
+      context.abort(ev.code or grpc.StatusCode.INTERNAL, ev.reason)
+    if ev.kind == EventKind.SLOT:
+      info = ev.info
+      out.slot = int(info["slot"])
+      out.queue_s = float(info.get("queue_s", 0.0))
+      out.prefill_s = float(info.get("prefill_s", 0.0))
+      out.prefill_queue_s = float(info.get("prefill_queue_s", 0.0))
+      out.prefill_batch_size = int(info.get("prefill_batch_size", 0))
+      out.prefill_cached_tokens = int(info.get("prefill_cached_tokens", 0))
+      out.resumed_tokens = int(info.get("resumed_tokens", 0))
+      yield out
+      continue
+    tokens = list(ev.tokens) if ev.kind == EventKind.TOKENS else []
+    lps = list(ev.logprobs) if ev.kind == EventKind.TOKENS else []
+    finished = ev if ev.kind == EventKind.FINISHED else None
+    # Coalesce whatever else is already queued into the same message.
+    while finished is None:
+      try:
+        nxt = job.events.get_nowait()
+      except queue.Empty:
+        break
+      if nxt.kind == EventKind.TOKENS:
+        tokens.extend(nxt.tokens)
+        lps.extend(nxt.logprobs)
+      elif nxt.kind == EventKind.FINISHED:
+        finished = nxt
+      else:
+        held = nxt
+        break
+    out.token_ids.extend(tokens)
+    out.logprobs.extend(logprobs.to_proto(lp, serving_pb2.TokenLogprob) for lp in lps)
+    if finished is not None:
+      out.finished = True
+      out.finish_reason = finished.reason
+      log.info("request finished", extra={"downstream_id": job.request_id,
+                                          "remote_prefill": job.remote,
+                                          "reason": finished.reason})
+    yield out
+    if finished is not None:
+      return
+
+
 class DecodeServicer(serving_pb2_grpc.DecodeServicer):
   """Registers requests with the scheduler and streams their events."""
 
@@ -219,58 +282,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
           pjob.cancelled = True
     context.add_callback(on_rpc_done)
     yield serving_pb2.DecodeEvent(accepted=True, queue_position=position, held_tokens=held)
-    yield from self._stream(job, context)
-
-  def _stream(self, job: DecodeJob, context):
-    while True:
-      try:
-        ev = job.events.get(timeout=0.5)
-      except queue.Empty:
-        if not context.is_active():
-          return
-        continue
-      out = serving_pb2.DecodeEvent()
-      if ev.kind == EventKind.ERROR:
-        context.abort(ev.code or grpc.StatusCode.INTERNAL, ev.reason)
-      if ev.kind == EventKind.SLOT:
-        info = ev.info
-        out.slot = int(info["slot"])
-        out.queue_s = float(info.get("queue_s", 0.0))
-        out.prefill_s = float(info.get("prefill_s", 0.0))
-        out.prefill_queue_s = float(info.get("prefill_queue_s", 0.0))
-        out.prefill_batch_size = int(info.get("prefill_batch_size", 0))
-        out.prefill_cached_tokens = int(info.get("prefill_cached_tokens", 0))
-        out.resumed_tokens = int(info.get("resumed_tokens", 0))
-        yield out
-        continue
-      tokens = list(ev.tokens) if ev.kind == EventKind.TOKENS else []
-      lps = list(ev.logprobs) if ev.kind == EventKind.TOKENS else []
-      finished = ev if ev.kind == EventKind.FINISHED else None
-      # Coalesce whatever else is already queued into the same message.
-      while finished is None:
-        try:
-          nxt = job.events.get_nowait()
-        except queue.Empty:
-          break
-        if nxt.kind == EventKind.TOKENS:
-          tokens.extend(nxt.tokens)
-          lps.extend(nxt.logprobs)
-        elif nxt.kind == EventKind.FINISHED:
-          finished = nxt
-        else:
-          job.events.put(nxt)  # error/slot: handled on the next round
-          break
-      out.token_ids.extend(tokens)
-      out.logprobs.extend(logprobs.to_proto(lp, serving_pb2.TokenLogprob) for lp in lps)
-      if finished is not None:
-        out.finished = True
-        out.finish_reason = finished.reason
-        log.info("request finished", extra={"downstream_id": job.request_id,
-                                            "remote_prefill": job.remote,
-                                            "reason": finished.reason})
-      yield out
-      if finished is not None:
-        return
+    yield from stream_events(job, context)
 
   def Handoff(self, request, context):
     try:

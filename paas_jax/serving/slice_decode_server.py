@@ -80,6 +80,54 @@ NOT_SHIPPED = ("a decode slice's prefix cache (if any) serves only its own local
                "it ships no prefixes (the broker probes it to route local requests there)")
 
 
+def stream_slice_events(entry: SliceRequest, context, counters):
+  """A slice's ``Decode`` stream after ``accepted``: ``entry``'s slot, tokens
+  (coalesced) and finish in queue order; an error event counts in
+  ``counters["failed"]`` and aborts the RPC."""
+  # A slot or error event that ends a coalesced message is held for the next
+  # round, not put back behind later events (decode_server.stream_events says why).
+  held = None
+  while True:
+    if held is not None:
+      (kind, *rest), held = held, None
+    else:
+      try:
+        kind, *rest = entry.events.get(timeout=0.5)
+      except queue.Empty:
+        if not context.is_active():
+          return
+        continue
+    if kind == "error":
+      counters["failed"] += 1
+      context.abort(grpc.StatusCode[rest[0]], rest[1])
+    if kind == "slot":
+      info = rest[0]
+      yield serving_pb2.DecodeEvent(
+          slot=0, queue_s=time.perf_counter() - entry.submitted - info.get("prefill_s", 0.0),
+          prefill_s=info.get("prefill_s", 0.0),
+          prefill_cached_tokens=int(info.get("cached_tokens", 0)))
+      continue
+    out = serving_pb2.DecodeEvent()
+    while True:  # coalesce what is already queued into one message
+      if kind == "token":
+        out.token_ids.append(int(rest[0]))
+        if rest[1] is not None:
+          out.logprobs.append(logprobs.to_proto(rest[1], serving_pb2.TokenLogprob))
+      elif kind == "finished":
+        out.finished, out.finish_reason = True, rest[0]
+        break
+      else:
+        held = (kind, *rest)
+        break
+      try:
+        kind, *rest = entry.events.get_nowait()
+      except queue.Empty:
+        break
+    yield out
+    if out.finished:
+      return
+
+
 class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
   """Process 0's Decode service in front of a ``SliceLeader``.
 
@@ -141,45 +189,7 @@ class SliceDecodeServicer(serving_pb2_grpc.DecodeServicer):
         self.leader.cancel(entry)
     context.add_callback(on_rpc_done)
     yield serving_pb2.DecodeEvent(accepted=True, queue_position=self._waiting())
-    yield from self._stream(entry, context)
-
-  def _stream(self, entry: SliceRequest, context):
-    while True:
-      try:
-        kind, *rest = entry.events.get(timeout=0.5)
-      except queue.Empty:
-        if not context.is_active():
-          return
-        continue
-      if kind == "error":
-        self.counters["failed"] += 1
-        context.abort(grpc.StatusCode[rest[0]], rest[1])
-      if kind == "slot":
-        info = rest[0]
-        yield serving_pb2.DecodeEvent(
-            slot=0, queue_s=time.perf_counter() - entry.submitted - info.get("prefill_s", 0.0),
-            prefill_s=info.get("prefill_s", 0.0),
-            prefill_cached_tokens=int(info.get("cached_tokens", 0)))
-        continue
-      out = serving_pb2.DecodeEvent()
-      while True:  # coalesce what is already queued into one message
-        if kind == "token":
-          out.token_ids.append(int(rest[0]))
-          if rest[1] is not None:
-            out.logprobs.append(logprobs.to_proto(rest[1], serving_pb2.TokenLogprob))
-        elif kind == "finished":
-          out.finished, out.finish_reason = True, rest[0]
-          break
-        else:
-          entry.events.put((kind, *rest))  # slot/error: handled on the next round
-          break
-        try:
-          kind, *rest = entry.events.get_nowait()
-        except queue.Empty:
-          break
-      yield out
-      if out.finished:
-        return
+    yield from stream_slice_events(entry, context, self.counters)
 
   def Handoff(self, request, context):
     rid = request.request_id

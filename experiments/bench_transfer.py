@@ -27,7 +27,6 @@ usage: python experiments/bench_transfer.py --json_out=/tmp/bench_transfer.json
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import platform
 import socket
@@ -137,26 +136,6 @@ def _serve_tcp(conn) -> None:
       got += n
     sock.sendall(b"k")
     sock.close()
-
-
-class Child:
-  def __init__(self, target, *args):
-    ctx = mp.get_context("spawn")
-    self.conn, child_conn = ctx.Pipe()
-    self.proc = ctx.Process(target=target, args=(child_conn, *args), daemon=True)
-    self.proc.start()
-    if not self.conn.poll(120):
-      raise RuntimeError(f"{target.__name__} did not start")
-    self.port = self.conn.recv()
-
-  def stop(self):
-    try:
-      self.conn.send("stop")
-    except (BrokenPipeError, OSError):
-      pass
-    self.proc.join(10)
-    if self.proc.is_alive():
-      self.proc.kill()
 
 
 def _tcp_send(port: int, blobs: list[bytes]) -> float:
@@ -280,9 +259,9 @@ def bench_model(name: str, n_tokens: int, progress) -> dict:
   groups = list(codec.encode_groups(state))
   blobs = [b for g in groups for b in g.blobs.values()]
   payload = sum(len(b) for b in blobs)
-  rx = Child(_serve_grpc, {name: fingerprint}, None)
-  tcp = Child(_serve_tcp)
-  null = Child(transfer_planes.serve_null)
+  rx = transfer_planes.Child(_serve_grpc, {name: fingerprint}, None)
+  tcp = transfer_planes.Child(_serve_tcp)
+  null = transfer_planes.Child(transfer_planes.serve_null)
   try:
     _bare_grpc_send(null.port, groups)
     t_bare = statistics.median(_bare_grpc_send(null.port, groups) for _ in range(repeats))
@@ -328,7 +307,7 @@ def bench_model(name: str, n_tokens: int, progress) -> dict:
 
   # Time to a restored state at the decode side: layer-wise versus store-then-send.
   options = codec.CodecOptions(compression=FLAGS.pipeline_codec)
-  rx = Child(_serve_grpc, {name: fingerprint}, name)
+  rx = transfer_planes.Child(_serve_grpc, {name: fingerprint}, name)
   sender = StateSender(f"127.0.0.1:{rx.port}",
                        options=SenderOptions(num_streams=FLAGS.streams,
                                              num_connections=FLAGS.streams))

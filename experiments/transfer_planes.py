@@ -153,6 +153,9 @@ def _serve_tcp(conn, pki_dir: str | None, keep: bool = False) -> None:
 
 
 class Child:
+  """A spawned receiver process: ``target(conn, *args)`` sends its listening port
+  first, then answers "cpu" and "stop" on the pipe."""
+
   def __init__(self, target, *args):
     ctx = mp.get_context("spawn")
     self.conn, child_conn = ctx.Pipe()

@@ -13,7 +13,11 @@ inter-region link).
 Fitting, per route, uses cold requests only (``cached_tokens == 0``, whose latency is a
 clean T_prefill sample): lengths are split into up to ``max_points`` equal-count bins and
 each bin contributes (median length, median prefill_s) as a profile point, so stragglers
-do not bend the curve. ``prefill_s`` falls back to ``ttft_s`` (an upper bound that also
+do not bend the curve. The points' times are then made non-decreasing in length
+(isotonic regression, bins weighted by their requests) and a quadratic fit is
+``monotone_quadratic`` (profiles.py): a compile stall or a queue in one bin must not
+give a profile whose prefill gets cheaper, or negative, with length, which the
+throughput model would take at its word (it proposed t = 0 from such a fit). ``prefill_s`` falls back to ``ttft_s`` (an upper bound that also
 holds queueing and transfer) and the profile records that it did. S_kv comes from
 (input_tokens, link_bytes) of cold PrfaaS requests (the link carries exactly S_kv there)
 and is shared by both routes, because it is a property of the model. The decode step time
@@ -34,6 +38,7 @@ import math
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+from scipy import optimize
 
 from paas_jax.scheduling.profiles import DecodeProfile, PrefillProfile
 
@@ -142,7 +147,8 @@ def fit_profiles(requests: Sequence[FinishedRequest], reference: ProfileSet, *,
           name=f"{ref.name}(demo)", lengths=tuple(ls), prefill_seconds=tuple(ts),
           kv_bytes=tuple(kv_fixed + kv_slope * l for l in ls),
           gpus_per_instance=ref.gpus_per_instance,
-          interpolation=ref.interpolation if len(ls) >= 3 else "piecewise_linear")
+          interpolation=("monotone_quadratic" if ref.interpolation != "piecewise_linear"
+                         and len(ls) >= 3 else "piecewise_linear"))
       calibrated.append(f"{route}_prefill" + ("(from ttft_s)" if used_ttft else ""))
     if "s_kv" in calibrated and pts is None:
       prof = dataclasses.replace(prof, kv_bytes=tuple(kv_fixed + kv_slope * l for l in prof.lengths))
@@ -195,26 +201,31 @@ def _overhead_samples(rows: Iterable[FinishedRequest], route: str,
 
 def _binned_points(rows: Iterable[FinishedRequest], max_points: int,
                    min_per_point: int) -> tuple[list[float], list[float], bool] | None:
-  """Equal-count bins -> (median length, median prefill time); None if < 2 usable points."""
+  """Equal-count bins -> (median length, median prefill time), times made
+  non-decreasing in length; None if < 2 usable points."""
   rows = sorted(rows, key=lambda r: r.input_tokens)
   n_points = min(max_points, len(rows) // max(min_per_point, 1))
   if n_points < 2:
     return None
   used_ttft = any(r.prefill_s is None for r in rows)
-  ls, ts = [], []
+  ls, ts, counts = [], [], []
   for chunk in np.array_split(np.arange(len(rows)), n_points):
     sel = [rows[j] for j in chunk]
     ls.append(float(np.median([r.input_tokens for r in sel])))
     ts.append(float(np.median([r.prefill_s if r.prefill_s is not None else r.ttft_s
                                for r in sel])))
+    counts.append(len(sel))
   # Profile lengths must strictly increase; merge bins that share a median length.
-  merged_l, merged_t = [], []
-  for l, t in zip(ls, ts):
+  merged_l, merged_t, merged_n = [], [], []
+  for l, t, n in zip(ls, ts, counts):
     if merged_l and l <= merged_l[-1]:
       merged_t[-1] = 0.5 * (merged_t[-1] + t)
+      merged_n[-1] += n
     else:
       merged_l.append(l)
       merged_t.append(t)
+      merged_n.append(n)
   if len(merged_l) < 2:
     return None
-  return merged_l, merged_t, used_ttft
+  monotone = optimize.isotonic_regression(merged_t, weights=merged_n, increasing=True).x
+  return merged_l, [float(t) for t in monotone], used_ttft

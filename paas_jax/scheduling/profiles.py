@@ -10,8 +10,13 @@ Interpolation (the brief asks us to say which):
 - ``T_prefill(l)``: ``"quadratic"`` (default) is the least-squares fit
   ``a + b*l + c*l**2``: linear layers, MoE and linear attention cost O(l), full attention
   costs O(l^2), plus a fixed launch/communication overhead ``a``. With 4 points and 3
-  coefficients it smooths profiling noise instead of chasing it. ``"piecewise_linear"``
-  goes exactly through the points and extends the end segments linearly outside them.
+  coefficients it smooths profiling noise instead of chasing it.
+  ``"monotone_quadratic"`` is the same form fitted with ``a, b, c >= 0`` (non-negative
+  least squares): it never falls with length nor goes below 0 anywhere in l >= 0, which
+  an unconstrained fit to a few noisy measured points can (calibration.py fits
+  measured requests this way). ``"piecewise_linear"`` goes exactly through the points
+  and extends the end segments linearly outside them. Every form is clamped at 0:
+  a prefill takes no negative time.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ import functools
 import math
 
 import numpy as np
+from scipy import optimize
 
 MIB = 2**20  # bytes
 GBPS = 1e9  # bits/s
 
-INTERPOLATIONS = ("quadratic", "piecewise_linear")
+INTERPOLATIONS = ("quadratic", "monotone_quadratic", "piecewise_linear")
+_QUADRATIC = ("quadratic", "monotone_quadratic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +45,7 @@ class PrefillProfile:
     prefill_seconds: T_prefill at each length (s) for a cold (uncached) request.
     kv_bytes: S_kv at each length (bytes): everything shipped to decode (KV + recurrent).
     gpus_per_instance: GPUs in one instance (bookkeeping only).
-    interpolation: "quadratic" or "piecewise_linear" for T_prefill.
+    interpolation: "quadratic", "monotone_quadratic" or "piecewise_linear" for T_prefill.
   """
 
   name: str
@@ -63,7 +70,7 @@ class PrefillProfile:
       raise ValueError(f"{self.name}: kv_bytes must be finite and > 0: {self.kv_bytes}")
     if self.interpolation not in INTERPOLATIONS:
       raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {self.interpolation!r}")
-    if self.interpolation == "quadratic" and n < 3:
+    if self.interpolation in _QUADRATIC and n < 3:
       raise ValueError(f"{self.name}: a quadratic T_prefill fit needs >= 3 profiled points")
     if self.gpus_per_instance < 1:
       raise ValueError("gpus_per_instance must be >= 1")
@@ -104,19 +111,23 @@ class PrefillProfile:
   @functools.cached_property
   def _quad(self) -> np.ndarray:
     # Fit in units of 1K tokens so the normal equations are well conditioned.
-    return np.polyfit(np.asarray(self.lengths) / 1e3, np.asarray(self.prefill_seconds), 2)
+    x, t = np.asarray(self.lengths) / 1e3, np.asarray(self.prefill_seconds)
+    if self.interpolation == "monotone_quadratic":
+      (a, b, c), _ = optimize.nnls(np.stack([np.ones_like(x), x, x * x], axis=1), t)
+      return np.array([c, b, a])
+    return np.polyfit(x, t, 2)
 
   def t_prefill(self, l) -> np.ndarray:
     """T_prefill(l) in seconds for a cold request of l tokens, elementwise."""
     l = np.asarray(l, dtype=np.float64)
-    if self.interpolation == "quadratic":
-      return np.polyval(self._quad, l / 1e3)
+    if self.interpolation in _QUADRATIC:
+      return np.maximum(np.polyval(self._quad, l / 1e3), 0.0)
     xs = np.asarray(self.lengths)
     ys = np.asarray(self.prefill_seconds)
     inner = np.interp(l, xs, ys)
     left = ys[0] + (l - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0])
     right = ys[-1] + (l - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return np.where(l < xs[0], left, np.where(l > xs[-1], right, inner))
+    return np.maximum(np.where(l < xs[0], left, np.where(l > xs[-1], right, inner)), 0.0)
 
   @property
   def fixed_overhead_seconds(self) -> float:

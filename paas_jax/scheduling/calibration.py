@@ -17,8 +17,9 @@ do not bend the curve. The points' times are then made non-decreasing in length
 (isotonic regression, bins weighted by their requests) and a quadratic fit is
 ``monotone_quadratic`` (profiles.py): a compile stall or a queue in one bin must not
 give a profile whose prefill gets cheaper, or negative, with length, which the
-throughput model would take at its word (it proposed t = 0 from such a fit). ``prefill_s`` falls back to ``ttft_s`` (an upper bound that also
-holds queueing and transfer) and the profile records that it did. S_kv comes from
+throughput model would take at its word (it proposed t = 0 from such a fit).
+``prefill_s`` falls back to ``ttft_s`` (an upper bound that also holds queueing and
+transfer) and the profile records that it did. S_kv comes from
 (input_tokens, link_bytes) of cold PrfaaS requests (the link carries exactly S_kv there)
 and is shared by both routes, because it is a property of the model. The decode step time
 is the median TPOT.

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import pathlib
+import queue
 import signal
 import threading
 import time
@@ -140,6 +141,47 @@ def rpc_details(e: BaseException) -> str:
 
 
 # -- process setup ------------------------------------------------------------------
+
+class StreamEvents:
+  """Reads one request's event queue for a server stream, in queue order.
+
+  A stream coalesces what is already queued into one message; an event read
+  ahead that ends the message (a slot, an error) is ``unget`` and comes back
+  first. Put back on the queue instead, it would go behind the tokens and the
+  finish queued after it, and the broker would see a finish before the slot.
+  """
+
+  def __init__(self, events: queue.Queue, context: grpc.ServicerContext,
+               poll_s: float = 0.5):
+    self._events, self._context, self._poll_s = events, context, poll_s
+    self._held = None
+
+  def next(self):
+    """The next event, waiting for one; None once the RPC is no longer active."""
+    if self._held is not None:
+      ev, self._held = self._held, None
+      return ev
+    while True:
+      try:
+        return self._events.get(timeout=self._poll_s)
+      except queue.Empty:
+        if not self._context.is_active():
+          return None
+
+  def next_queued(self):
+    """The next event if one is already queued, else None (never waits)."""
+    if self._held is not None:
+      ev, self._held = self._held, None
+      return ev
+    try:
+      return self._events.get_nowait()
+    except queue.Empty:
+      return None
+
+  def unget(self, ev) -> None:
+    """Hands ``ev`` back: the next read returns it."""
+    self._held = ev
+
 
 def setup_logging(level: str = "INFO") -> None:
   logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import runpy
 import time
 
@@ -73,21 +72,8 @@ def stream_events(job: DecodeJob, context):
   """The ``Decode`` stream's events after ``accepted``: ``job``'s slot, its
   tokens (whatever is queued coalesced into one message) and its finish, in
   the order the scheduler queued them; an error event aborts the RPC."""
-  # An event that ends a coalesced message (a slot or an error) is held here
-  # and handled first on the next round: put back on the queue, it would go
-  # behind the tokens and the finish queued after it, and the broker would
-  # see a request finish before it had a slot.
-  held = None
-  while True:
-    if held is not None:
-      ev, held = held, None
-    else:
-      try:
-        ev = job.events.get(timeout=0.5)
-      except queue.Empty:
-        if not context.is_active():
-          return
-        continue
+  events = common.StreamEvents(job.events, context)
+  while (ev := events.next()) is not None:
     out = serving_pb2.DecodeEvent()
     if ev.kind == EventKind.ERROR:
       context.abort(ev.code or grpc.StatusCode.INTERNAL, ev.reason)
@@ -106,18 +92,14 @@ def stream_events(job: DecodeJob, context):
     lps = list(ev.logprobs) if ev.kind == EventKind.TOKENS else []
     finished = ev if ev.kind == EventKind.FINISHED else None
     # Coalesce whatever else is already queued into the same message.
-    while finished is None:
-      try:
-        nxt = job.events.get_nowait()
-      except queue.Empty:
-        break
+    while finished is None and (nxt := events.next_queued()) is not None:
       if nxt.kind == EventKind.TOKENS:
         tokens.extend(nxt.tokens)
         lps.extend(nxt.logprobs)
       elif nxt.kind == EventKind.FINISHED:
         finished = nxt
-      else:
-        held = nxt
+      else:  # a slot or an error: the next message
+        events.unget(nxt)
         break
     out.token_ids.extend(tokens)
     out.logprobs.extend(logprobs.to_proto(lp, serving_pb2.TokenLogprob) for lp in lps)

@@ -84,19 +84,9 @@ def stream_slice_events(entry: SliceRequest, context, counters):
   """A slice's ``Decode`` stream after ``accepted``: ``entry``'s slot, tokens
   (coalesced) and finish in queue order; an error event counts in
   ``counters["failed"]`` and aborts the RPC."""
-  # A slot or error event that ends a coalesced message is held for the next
-  # round, not put back behind later events (decode_server.stream_events says why).
-  held = None
-  while True:
-    if held is not None:
-      (kind, *rest), held = held, None
-    else:
-      try:
-        kind, *rest = entry.events.get(timeout=0.5)
-      except queue.Empty:
-        if not context.is_active():
-          return
-        continue
+  events = common.StreamEvents(entry.events, context)
+  while (ev := events.next()) is not None:
+    kind, *rest = ev
     if kind == "error":
       counters["failed"] += 1
       context.abort(grpc.StatusCode[rest[0]], rest[1])
@@ -108,7 +98,8 @@ def stream_slice_events(entry: SliceRequest, context, counters):
           prefill_cached_tokens=int(info.get("cached_tokens", 0)))
       continue
     out = serving_pb2.DecodeEvent()
-    while True:  # coalesce what is already queued into one message
+    while ev is not None:  # coalesce what is already queued into one message
+      kind, *rest = ev
       if kind == "token":
         out.token_ids.append(int(rest[0]))
         if rest[1] is not None:
@@ -116,13 +107,10 @@ def stream_slice_events(entry: SliceRequest, context, counters):
       elif kind == "finished":
         out.finished, out.finish_reason = True, rest[0]
         break
-      else:
-        held = (kind, *rest)
+      else:  # a slot or an error: the next message
+        events.unget(ev)
         break
-      try:
-        kind, *rest = entry.events.get_nowait()
-      except queue.Empty:
-        break
+      ev = events.next_queued()
     yield out
     if out.finished:
       return

@@ -10,10 +10,12 @@ before any byte of it reaches a decode step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
+import orjson
 
 from paas_jax.codec.options import CodecOptions
 
@@ -28,6 +30,35 @@ def partial_manifest_key(process_index: int, process_count: int) -> str:
   return f"{PARTIAL_MANIFEST_PREFIX}{process_index:05d}-of-{process_count:05d}.json"
 GLOBAL_LAYER_INDEX = -1
 GLOBAL_LAYER_KIND = "state"
+
+# orjson, not the json module: a tiny transfer's descriptors and Commit encode
+# and parse one text per layer, and json's pure-Python object building was
+# the largest part of both sides' fixed cost (bench_transfer --fixed_cost).
+# Keys sorted and no spaces; non-str keys become strings as json.dumps does.
+_JSON_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
+
+
+def dumps(obj) -> str:
+  """Canonical manifest JSON: sorted keys, no whitespace, ASCII only."""
+  text = orjson.dumps(obj, option=_JSON_OPTIONS).decode()
+  if text.isascii():
+    return text
+  # Descriptors travel as ASCII (a BUNDLE's table gives byte lengths that the
+  # receiver uses as character offsets); json escapes what orjson leaves as is.
+  return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def loads(text: str | bytes | bytearray | memoryview):
+  """Parses manifest JSON (ValueError if malformed)."""
+  return orjson.loads(text)
+
+
+def splice_groups(layer_texts: Sequence[str], state_arrays_text: str) -> str:
+  """The tail of a manifest's JSON after its header's fields: the layers'
+  and the state-level group's texts as they are (``StateManifest.to_json``
+  with ``serialized``; a receiver compares it with the descriptors it
+  adopted, ``transport.inbound.manifest_from_descriptors``)."""
+  return ',"layers":[' + ",".join(layer_texts) + '],"state_arrays":' + state_arrays_text + "}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +77,7 @@ class ChunkEntry:
 
   @classmethod
   def from_dict(cls, d: dict) -> "ChunkEntry":
-    return cls(key=str(d["key"]), nbytes=int(d["nbytes"]), crc32c=int(d["crc32c"]))
+    return _parsed(cls, key=str(d["key"]), nbytes=int(d["nbytes"]), crc32c=int(d["crc32c"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +122,9 @@ class ArrayEntry:
   chunks: tuple[ChunkEntry, ...] = ()
   source_sharding: dict | None = None
 
-  @property
+  @functools.cached_property
   def nbytes(self) -> int:
+    # Cached: a sender asks for it per layer and per frame (the entry is frozen).
     return sum(c.nbytes for c in self.chunks)
 
   @property
@@ -118,20 +150,34 @@ class ArrayEntry:
 
   @classmethod
   def from_dict(cls, d: dict) -> "ArrayEntry":
-    return cls(
-        name=str(d["name"]), role=str(d["role"]), dtype=str(d["dtype"]),
-        shape=tuple(int(x) for x in d["shape"]), stored_dtype=str(d["stored_dtype"]),
-        stored_shape=tuple(int(x) for x in d["stored_shape"]),
-        token_axis=None if d["token_axis"] is None else int(d["token_axis"]),
-        head_axis=None if d["head_axis"] is None else int(d["head_axis"]),
+    token_axis, head_axis = d["token_axis"], d["head_axis"]
+    return _parsed(
+        cls, name=str(d["name"]), role=str(d["role"]), dtype=str(d["dtype"]),
+        shape=tuple(map(int, d["shape"])), stored_dtype=str(d["stored_dtype"]),
+        stored_shape=tuple(map(int, d["stored_shape"])),
+        token_axis=None if token_axis is None else int(token_axis),
+        head_axis=None if head_axis is None else int(head_axis),
         trim=str(d["trim"]), quantization=str(d["quantization"]),
-        chunk_shape=tuple(int(x) for x in d["chunk_shape"]),
-        chunks=tuple(ChunkEntry.from_dict(c) for c in d.get("chunks", ())),
+        chunk_shape=tuple(map(int, d["chunk_shape"])),
+        chunks=tuple([ChunkEntry.from_dict(c) for c in d.get("chunks", ())]),
         source_sharding=_source_sharding(d.get("source_sharding")))
 
 
 _ARRAY_FIELDS = tuple(f.name for f in dataclasses.fields(ArrayEntry)
                       if f.name not in ("chunks", "source_sharding"))
+
+
+def _parsed(cls, **fields):
+  """An instance of the frozen dataclass ``cls`` holding ``fields`` (every
+  field, converted by the caller), made without ``__init__``: a frozen
+  dataclass's ``__init__`` sets each field through ``object.__setattr__``,
+  which was half of parsing a layer descriptor (a receiver parses one per
+  layer per transfer). ``cls`` must have no ``__post_init__``."""
+  obj = object.__new__(cls)
+  obj.__dict__.update(fields)
+  return obj
+
+
 
 
 def _source_sharding(d) -> dict | None:
@@ -161,9 +207,13 @@ class LayerEntry:
   kind: str
   arrays: tuple[ArrayEntry, ...]
 
-  @property
+  @functools.cached_property
   def nbytes(self) -> int:
     return sum(a.nbytes for a in self.arrays)
+
+  @functools.cached_property
+  def num_chunks(self) -> int:
+    return sum(len(a.chunks) for a in self.arrays)
 
   @property
   def logical_nbytes(self) -> int:
@@ -185,16 +235,20 @@ class LayerEntry:
             "arrays": [a.to_dict() for a in self.arrays]}
 
   def to_json(self) -> str:
-    return json.dumps(self.to_dict(), sort_keys=True)
+    return dumps(self.to_dict())
 
   @classmethod
   def from_dict(cls, d: dict) -> "LayerEntry":
-    return cls(index=int(d["index"]), kind=str(d["kind"]),
-               arrays=tuple(ArrayEntry.from_dict(a) for a in d["arrays"]))
+    return _parsed(cls, index=int(d["index"]), kind=str(d["kind"]),
+                   arrays=tuple([ArrayEntry.from_dict(a) for a in d["arrays"]]))
 
   @classmethod
   def from_json(cls, s: str | bytes) -> "LayerEntry":
-    return cls.from_dict(json.loads(s))
+    return cls.from_dict(loads(s))
+
+
+assert not any(hasattr(c, "__post_init__") for c in (ChunkEntry, ArrayEntry, LayerEntry)), (
+    "_parsed skips __post_init__")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,10 +342,9 @@ class StateManifest:
     for group in self.groups:
       entry, text = serialized.get(group.index, (None, None))
       if entry is not group:
-        return json.dumps(self.to_dict(), sort_keys=True)
+        return dumps(self.to_dict())
       texts.append(text)
-    return (json.dumps(self._header(), sort_keys=True)[:-1] + ', "layers": ['
-            + ", ".join(texts[:-1]) + '], "state_arrays": ' + texts[-1] + "}")
+    return dumps(self._header())[:-1] + splice_groups(texts[:-1], texts[-1])
 
   @classmethod
   def from_dict(cls, d: dict,
@@ -326,7 +379,7 @@ class StateManifest:
   @classmethod
   def from_json(cls, s: str | bytes,
                 known: Mapping[int, tuple[dict, LayerEntry]] | None = None) -> "StateManifest":
-    return cls.from_dict(json.loads(s), known)
+    return cls.from_dict(loads(s), known)
 
 
 def merge_manifests(parts: list[StateManifest]) -> StateManifest:

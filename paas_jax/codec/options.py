@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Literal
 
@@ -71,19 +72,30 @@ class CodecOptions:
     return chain
 
   def to_dict(self) -> dict:
-    return dataclasses.asdict(self)
+    # Field by field: every field is a scalar, and dataclasses.asdict's deep
+    # copy was a visible part of each Begin and Commit.
+    return {name: getattr(self, name) for name in _FIELDS}
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), sort_keys=True)
 
   @classmethod
   def from_dict(cls, d: dict) -> "CodecOptions":
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - known
+    unknown = set(d).difference(_FIELDS)
     if unknown:
       raise ValueError(f"CodecOptions: unknown fields {sorted(unknown)}")
     return cls(**d)
 
   @classmethod
   def from_json(cls, s: str) -> "CodecOptions":
-    return cls.from_dict(json.loads(s))
+    return _from_json(s)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(CodecOptions))
+
+
+@functools.lru_cache(maxsize=256)
+def _from_json(s: str) -> CodecOptions:
+  """A link's options arrive with every Begin, mostly as the same text; the
+  result is frozen, so one parse serves them all."""
+  return CodecOptions.from_dict(json.loads(s))

@@ -329,14 +329,21 @@ class ModelConfig:
 
     Two processes may exchange decode states only if their fingerprints match;
     the name is excluded so that renaming a config does not break transfers.
+    Computed once per config object (it is frozen): servers pass it with
+    every transfer.
     """
+    cached = self.__dict__.get("_fingerprint")
+    if cached is not None:
+      return cached
     d = _without_default_additions(self)
     d.pop("name")
     d["layer_pattern"] = "".join(self.layer_kinds)
     if self.ffn_pattern is not None:
       d["ffn_pattern"] = "".join(self.ffn_kinds)
     blob = json.dumps(d, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    fingerprint = hashlib.sha256(blob).hexdigest()[:16]
+    object.__setattr__(self, "_fingerprint", fingerprint)
+    return fingerprint
 
   def with_updates(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import threading
 import time
 from concurrent import futures
@@ -18,7 +17,8 @@ import grpc
 from paas_jax.codec import layout
 from paas_jax.codec.decode import (RestoreTemplate, ShardingsLike, restore_from_store,
                                    restore_indexed_group)
-from paas_jax.codec.manifest import GLOBAL_LAYER_INDEX, LayerEntry, StateManifest
+from paas_jax.codec import manifest as manifest_lib
+from paas_jax.codec.manifest import GLOBAL_LAYER_INDEX, LayerEntry, StateManifest, splice_groups
 from paas_jax.codec.options import CodecOptions
 from paas_jax.codec.store import MemoryStore
 from paas_jax.transport import channels
@@ -224,12 +224,11 @@ def manifest_from_descriptors(text: str, t: "Inbound") -> StateManifest | None:
   n = t.info.num_layers
   if len(parsed) != n + 1 or any(i not in parsed for i in range(GLOBAL_LAYER_INDEX, n)):
     return None
-  tail = (', "layers": [' + ", ".join(parsed[i][1] for i in range(n))
-          + '], "state_arrays": ' + parsed[GLOBAL_LAYER_INDEX][1] + "}")
+  tail = splice_groups([parsed[i][1] for i in range(n)], parsed[GLOBAL_LAYER_INDEX][1])
   if len(text) <= len(tail) or not text.endswith(tail):
     return None
   try:
-    head = json.loads(text[:len(text) - len(tail)] + "}")
+    head = manifest_lib.loads(text[:len(text) - len(tail)] + "}")
   except ValueError:
     return None
   if not isinstance(head, dict) or "layers" in head or "state_arrays" in head:

@@ -6,12 +6,12 @@ attempts, budgets, timelines and status codes are the same on either path."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from paas_jax.codec import manifest as manifest_lib
 from paas_jax.codec.manifest import LayerEntry
 from paas_jax.proto import transport_pb2
 from paas_jax.transport.bundle_ingress import accept_bundle
@@ -152,7 +152,7 @@ class FrameIngress:
 def _parse_descriptor(layer_json: str, layer: int) -> tuple[LayerEntry, tuple[dict, str]]:
   """A layer descriptor's entry and (its parsed JSON, its text). Raises TransferFailed."""
   try:
-    raw = json.loads(layer_json)
+    raw = manifest_lib.loads(layer_json)
     return LayerEntry.from_dict(raw), (raw, layer_json)
   except (ValueError, KeyError, TypeError) as e:
     raise TransferFailed(Code.INVALID_ARGUMENT, f"layer {layer}: bad descriptor: {e}") from None

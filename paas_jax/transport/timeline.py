@@ -96,6 +96,25 @@ class TransferTimeline:
     return d
 
 
+class _LayerRecord:
+  """The mutable side of one ``LayerTiming``: updated in place per event (a
+  frozen LayerTiming rebuilt per event was a visible part of a tiny
+  transfer's cost); ``snapshot`` freezes it."""
+
+  __slots__ = ("index", "submitted_s", "encoded_s", "first_sent_s", "last_sent_s", "nbytes",
+               "chunks")
+
+  def __init__(self, index: int, submitted_s: float):
+    self.index, self.submitted_s = index, submitted_s
+    self.encoded_s = self.first_sent_s = self.last_sent_s = None
+    self.nbytes = self.chunks = 0
+
+  def frozen(self) -> LayerTiming:
+    return LayerTiming(index=self.index, submitted_s=self.submitted_s, encoded_s=self.encoded_s,
+                       first_sent_s=self.first_sent_s, last_sent_s=self.last_sent_s,
+                       nbytes=self.nbytes, chunks=self.chunks)
+
+
 class TimelineRecorder:
   """Thread-safe mutable side of a ``TransferTimeline``."""
 
@@ -115,17 +134,19 @@ class TimelineRecorder:
     self._last_byte: float | None = None
     self._ready: float | None = None
     self._peak_queued = 0
-    self._layers: dict[int, LayerTiming] = {}
+    self._layers: dict[int, _LayerRecord] = {}
 
   def layer_submitted(self, index: int) -> None:
     with self._lock:
-      self._layers[index] = LayerTiming(index=index, submitted_s=time.time())
+      self._layers[index] = _LayerRecord(index, time.time())
 
   def layer_encoded(self, index: int, nbytes: int, chunks: int) -> None:
+    now = time.time()
     with self._lock:
-      timing = self._layers.get(index) or LayerTiming(index=index, submitted_s=time.time())
-      self._layers[index] = dataclasses.replace(timing, encoded_s=time.time(), nbytes=nbytes,
-                                                chunks=chunks)
+      timing = self._layers.get(index)
+      if timing is None:
+        timing = self._layers[index] = _LayerRecord(index, now)
+      timing.encoded_s, timing.nbytes, timing.chunks = now, nbytes, chunks
       self._state_bytes += nbytes
 
   def frame_sent(self, layer_index: int, nbytes: int, is_chunk: bool, resend: bool,
@@ -142,8 +163,8 @@ class TimelineRecorder:
         self._last_byte = now
       timing = self._layers.get(layer_index)
       if timing is not None and not resend:
-        self._layers[layer_index] = dataclasses.replace(
-            timing, first_sent_s=timing.first_sent_s or now, last_sent_s=now)
+        timing.first_sent_s = timing.first_sent_s or now
+        timing.last_sent_s = now
 
   def queue_peak(self, peak: int) -> None:
     with self._lock:
@@ -165,7 +186,7 @@ class TimelineRecorder:
           num_streams=self._num_streams, num_connections=self._num_connections,
           first_byte_s=self._first_byte, last_byte_s=self._last_byte,
           receiver_ready_s=self._ready, peak_queued_bytes=self._peak_queued,
-          layers=tuple(self._layers[k] for k in self._layers))
+          layers=tuple(record.frozen() for record in self._layers.values()))
 
 
 @dataclasses.dataclass(frozen=True)

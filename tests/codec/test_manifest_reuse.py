@@ -69,3 +69,35 @@ def test_known_descriptors_are_reused_only_when_their_json_is_equal(manifest):
   # The state-level group is matched by its own index.
   known = {GLOBAL_LAYER_INDEX: (d["state_arrays"], sentinel)}
   assert StateManifest.from_dict(d, known).state_arrays is sentinel
+
+
+def test_manifest_json_stays_ascii_and_round_trips(manifest):
+  """Descriptors travel as ASCII (a BUNDLE's table counts bytes as characters):
+  a name outside ASCII is escaped, and the text parses back to the same entry.
+  Negative control: orjson alone leaves it as UTF-8."""
+  import orjson
+  from paas_jax.codec import manifest as manifest_lib
+  from paas_jax.codec.manifest import LayerEntry
+  layer = manifest.layers[0]
+  array = dataclasses.replace(layer.arrays[0], name="layers/0/kv-é")
+  odd = dataclasses.replace(layer, arrays=(array,) + layer.arrays[1:])
+  text = odd.to_json()
+  assert text.isascii() and "\\u00e9" in text
+  assert LayerEntry.from_json(text) == odd
+  assert not orjson.dumps(odd.to_dict(), option=orjson.OPT_SORT_KEYS).decode().isascii()
+  assert manifest_lib.loads(manifest_lib.dumps({"b": 1, "a": [2]})) == {"a": [2], "b": 1}
+  assert manifest_lib.dumps({"b": 1, "a": 2}) == '{"a":2,"b":1}'
+
+
+def test_cached_sizes_belong_to_their_own_entry(manifest):
+  """``nbytes`` is computed once per (frozen) entry; an entry derived with
+  other chunks has its own."""
+  layer = manifest.layers[0]
+  array = layer.arrays[0]
+  assert array.nbytes == sum(c.nbytes for c in array.chunks) > 0
+  grown = dataclasses.replace(array, chunks=array.chunks + (
+      dataclasses.replace(array.chunks[0], key=array.name + "/c/9"),))
+  assert grown.nbytes == array.nbytes + array.chunks[0].nbytes
+  bigger = dataclasses.replace(layer, arrays=(grown,) + layer.arrays[1:])
+  assert bigger.nbytes == layer.nbytes + array.chunks[0].nbytes
+  assert bigger.num_chunks == layer.num_chunks + 1

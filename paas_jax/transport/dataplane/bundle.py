@@ -26,10 +26,10 @@ its descriptor's crc32c, as a CHUNK frame is.
 
 from __future__ import annotations
 
-import json
 import struct
 from typing import Sequence
 
+from paas_jax.codec import manifest as manifest_lib
 from paas_jax.codec.manifest import LayerEntry
 
 COUNT = struct.Struct("<I")
@@ -65,7 +65,7 @@ def pack(groups: Sequence[tuple[LayerEntry, str, Sequence]]) -> bytes:
 def parse(payload) -> tuple[list[tuple[int, dict, str]], int]:
   """([(layer, parsed descriptor, its text)], offset of the first object).
 
-  One ``json.loads`` for every descriptor of the bundle together.
+  One parse for every descriptor of the bundle together.
 
   Raises:
     BundleMalformed: a table or descriptor that does not parse.
@@ -83,7 +83,7 @@ def parse(payload) -> tuple[list[tuple[int, dict, str]], int]:
     raise BundleMalformed(f"descriptors of {end - table_end} bytes do not fit "
                           f"{len(view)} bytes")
   try:
-    # The descriptors are ASCII JSON (json.dumps escapes anything else), so
+    # The descriptors are ASCII JSON (``manifest.dumps`` escapes anything else), so
     # the table's byte lengths are also character offsets.
     blob = str(view[table_end:end], "ascii")
   except UnicodeDecodeError:
@@ -93,7 +93,7 @@ def parse(payload) -> tuple[list[tuple[int, dict, str]], int]:
     texts.append(blob[pos:pos + n])
     pos += n
   try:
-    parsed = json.loads("[" + ",".join(texts) + "]")
+    parsed = manifest_lib.loads("[" + ",".join(texts) + "]")
   except ValueError as e:
     raise BundleMalformed(f"descriptors do not parse: {e}") from None
   if len(parsed) != count or not all(isinstance(d, dict) for d in parsed):

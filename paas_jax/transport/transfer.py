@@ -98,6 +98,9 @@ class Transfer(LaneCallbacks, PushStreams):
         # with Begin's status, and the frames behind it are dropped unread).
         self._begin_frame = self._stream.call_async(plane_frames.BEGIN,
                                                     begin_request.SerializeToString())
+        # Written from this thread: the receiver runs Begin while the caller
+        # queues the layers (a lane's writer would wait for the interpreter).
+        self._stream.write_through()
     else:
       self._open_streams(self._frames, resend=False)
     # Started by the first layer to encode (send_layer); already encoded groups
@@ -172,6 +175,9 @@ class Transfer(LaneCallbacks, PushStreams):
         bundle = self._bundler.take()  # a small state: all of it in one frame
         if bundle is not None:
           self._stream.put(bundle)
+          # Written from this thread, as BEGIN: the receiver checks the state
+          # while the manifest is built here.
+          self._stream.write_through()
       if self._plane_control:
         # The manifest is built while the frames are in flight, and COMMIT
         # leaves from the lane that reads the last acknowledgement: no
@@ -351,20 +357,20 @@ class Transfer(LaneCallbacks, PushStreams):
       raise TransferError(Code.INVALID_ARGUMENT, f"layer {entry.index} sent twice",
                           self.transfer_id)
     limit = self._max_frame_bytes - channels.FRAME_OVERHEAD_BYTES
+    chunks = self._chunks
+    blobs = group.blobs
     for array, chunk in entry.chunks():
       if chunk.nbytes > limit:
         raise TransferError(Code.INVALID_ARGUMENT,
                             f"layer {entry.index} chunk {chunk.key!r} is {chunk.nbytes} "
                             f"bytes; the receiver takes at most {limit} per frame (lower "
                             "CodecOptions.chunk_bytes)", self.transfer_id)
+      chunks[chunk.key] = (entry.index, chunk, blobs[chunk.key])
     self._entries[entry.index] = entry
-    for array, chunk in entry.chunks():
-      self._chunks[chunk.key] = (entry.index, chunk, group.blobs[chunk.key])
-    self._recorder.layer_encoded(entry.index, entry.nbytes, sum(1 for _ in entry.chunks()))
+    self._recorder.layer_encoded(entry.index, entry.nbytes, entry.num_chunks)
     # The whole layer is pending from here, also the part still waiting for
     # room in the flow-control queue: it is committed to the link.
-    self._link.queued_bytes(sum(chunk.nbytes for _, chunk in entry.chunks()),
-                            layer_done=entry.index >= 0)
+    self._link.queued_bytes(entry.nbytes, layer_done=entry.index >= 0)
     # Kept for the manifest, which splices the same texts in at Commit.
     layer_json = entry.to_json()
     self._entry_json[entry.index] = (entry, layer_json)

@@ -297,9 +297,12 @@ def test_negative_control_ungated_pipelined_begin_fails(config, state, make_rx, 
   does not hang on whether one connection happened to batch every frame."""
   rx = make_rx()
   real_call_async = LaneStream.call_async
-  monkeypatch.setattr(LaneStream, "next_items",
-                      lambda self, lane, room, max_frames, max_bytes:
-                      [item for item in (self.next_item(lane),) if item is not None])
+  real_take = LaneStream.take
+  monkeypatch.setattr(LaneStream, "take",
+                      lambda self, lane, room, max_frames, max_bytes, fit_room=False:
+                      real_take(self, lane, room, 1, max_bytes, fit_room))
+  # Lane writers only: the caller's own write of BEGIN would wait out the hold.
+  monkeypatch.setattr(LaneStream, "write_through", lambda self: None)
 
   def ungated(self, kind, payload):
     item = real_call_async(self, kind, payload)

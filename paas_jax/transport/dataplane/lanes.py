@@ -138,14 +138,10 @@ class Lane:
       if stream is None:
         return
       while self.dead is None:
-        with self._cv:
-          room = self._window - self._unacked_bytes
-        items = stream.next_items(self, room, BATCH_FRAMES, BATCH_BYTES)
-        if not items:
+        if not stream.wait_for_frames(self):
           break
         try:
-          with self._wlock:
-            self._send(items)
+          self._write_queued(stream)
         except LaneDead:
           return
         except (OSError, ValueError) as e:
@@ -154,6 +150,17 @@ class Lane:
       with self._cv:  # wait to be detached (or attached to the next stream)
         while self._stream is stream and self.dead is None:
           self._cv.wait(0.5)
+
+  def _write_queued(self, stream) -> None:
+    """Takes what ``stream`` has queued for this lane and writes it, both
+    under the write lock: whichever thread writes next (``write_now``) takes
+    the frames after these, so frames leave in queue order."""
+    with self._wlock:
+      with self._cv:
+        room = self._window - self._unacked_bytes
+      items = stream.take(self, room, BATCH_FRAMES, BATCH_BYTES)
+      if items:
+        self._send(items)
 
   def _send(self, items: list[Outgoing]) -> None:
     """Writes ``items`` (one stream's, within the window unless it is one
@@ -223,11 +230,12 @@ class Lane:
           n = 0
 
   def write_now(self, stream) -> None:
-    """Writes the frame ``stream`` just released for this lane (an armed
-    COMMIT, queued when the last acknowledgement arrived) from the calling
-    thread, the lane's reader: the writer thread need not wake up. Only a
-    frame queued while nothing else of the stream is outstanding comes here,
-    so it cannot overtake another. If the writer is busy, it sends it."""
+    """Writes what ``stream`` has queued for this lane from the calling
+    thread (the lane's reader, for an armed COMMIT released by the last
+    acknowledgement; the transfer's caller, ``LaneStream.write_through``):
+    the writer thread need not wake up. Frames are taken under the write
+    lock, so none overtakes another; if the writer is busy, or the head
+    frame does not fit the window, the writer sends them."""
     if not self._wlock.acquire(blocking=False):
       return
     try:
@@ -235,7 +243,7 @@ class Lane:
         return
       with self._cv:
         room = self._window - self._unacked_bytes
-      items = stream.take_now(self, room)
+      items = stream.take(self, room, BATCH_FRAMES, BATCH_BYTES, fit_room=True)
       if items:
         self._send(items)
     except LaneDead:

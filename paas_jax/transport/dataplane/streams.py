@@ -282,59 +282,65 @@ class LaneStream:
 
   # -- lanes ---------------------------------------------------------------------------
 
-  def next_item(self, lane) -> Outgoing | None:
-    """The next frame for ``lane``; None once the stream is done or failed."""
+  def wait_for_frames(self, lane) -> bool:
+    """Until a frame is queued that ``lane`` may take (True), or the stream
+    is done or failed or no longer has ``lane`` (False). Takes nothing: the
+    lane takes with ``take`` under its write lock, so that frames leave in
+    queue order whichever thread writes them."""
     with self._cv:
       while True:
         if self._error is not None or lane not in self._lanes:
-          return None
+          return False
         if self._queue and (not self._begin_pending or self._begin_lane in (None, lane)):
-          item = self._queue.popleft()
-          self._queued_bytes -= item.nbytes
-          if item.kind == frames.BEGIN:
-            self._begin_lane = lane
-          self._cv.notify_all()
-          return item
+          return True
         if self._closed and self._outstanding == 0:
-          return None
+          return False
         self._cv.wait(0.1)
 
-  def next_items(self, lane, room: int, max_frames: int, max_bytes: int) -> list[Outgoing]:
-    """``next_item``, then whatever else is queued right now, while the batch
-    stays within ``max_frames``, ``max_bytes`` and ``room`` (the lane's free
-    window): small frames leave in one write. [] once done or failed."""
-    first = self.next_item(lane)
-    if first is None:
-      return []
-    out, total = [first], first.nbytes
-    limit = min(max_bytes, room)
+  def take(self, lane, room: int, max_frames: int, max_bytes: int,
+           fit_room: bool = False) -> list[Outgoing]:
+    """The queued frames ``lane`` may write now, without waiting: the head
+    frame (only if it fits ``room``, the lane's free window, with
+    ``fit_room``; else the caller's write waits for room), then more while
+    the batch stays within ``max_frames``, ``max_bytes`` and ``room`` (small
+    frames leave in one write). [] if there is none."""
     with self._cv:
-      while self._queue and len(out) < max_frames and self._error is None:
+      if (self._error is not None or lane not in self._lanes or not self._queue
+          or (self._begin_pending and self._begin_lane not in (None, lane))
+          or (fit_room and self._queue[0].nbytes > room)):
+        return []
+      first = self._queue.popleft()
+      self._queued_bytes -= first.nbytes
+      out, total = [first], first.nbytes
+      limit = min(max_bytes, room)
+      # Behind an unanswered BEGIN only its own lane writes, so a batch may
+      # carry BEGIN and the frames after it.
+      if first.kind == frames.BEGIN:
+        self._begin_lane = lane
+      while self._queue and len(out) < max_frames:
         nxt = self._queue[0]
         if total + nxt.nbytes > limit:
           break
         self._queue.popleft()
         self._queued_bytes -= nxt.nbytes
+        if nxt.kind == frames.BEGIN:
+          self._begin_lane = lane
         out.append(nxt)
         total += nxt.nbytes
-      if len(out) > 1:
-        self._cv.notify_all()
+      self._cv.notify_all()
     return out
 
-  def take_now(self, lane, room: int) -> list[Outgoing]:
-    """The next frame ``lane`` may send right now if it fits ``room``, without
-    waiting; [] if none."""
+  def write_through(self) -> None:
+    """Writes what is queued from the calling thread where a lane is free to
+    (``Lane.write_now``): for a caller that queued small frames (BEGIN, a
+    BUNDLE) and goes on with other work, so that they need not wait for a
+    lane's writer thread to get the interpreter."""
     with self._cv:
-      if (self._error is not None or lane not in self._lanes or not self._queue
-          or (self._begin_pending and self._begin_lane not in (None, lane))
-          or self._queue[0].nbytes > room):
-        return []
-      item = self._queue.popleft()
-      self._queued_bytes -= item.nbytes
-      if item.kind == frames.BEGIN:
-        self._begin_lane = lane
-      self._cv.notify_all()
-    return [item]
+      lanes = list(self._lanes)
+    for lane in lanes:
+      if not self._queue:
+        return
+      lane.write_now(self)
 
   def sent(self, item: Outgoing, resend: bool) -> None:
     """``item``'s last byte was written; ``resend``: that write was a resend."""

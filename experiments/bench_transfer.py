@@ -67,7 +67,8 @@ flags.DEFINE_integer("lanes", 4, "Data-plane connections of the N-connection row
 flags.DEFINE_bool("tls", True, "Also measure the TLS rows (--planes).")
 flags.DEFINE_bool("wan", False, "Only the emulated-WAN runs (experiments/wan_planes.py): the "
                   "relay's own ceiling, then data-plane utilization with 1 and --lanes "
-                  "connections at --wan_rate_gbit and --wan_rtt_ms.")
+                  "connections at --wan_rate_gbit and --wan_rtt_ms, and a tiny state's fixed cost "
+                  "in round trips.")
 flags.DEFINE_float("wan_rtt_ms", 30.0, "Round-trip time of the emulated link (--wan).")
 flags.DEFINE_enum("wan_engine", "splice", ["splice", "asyncio"], "The relay's engine for the "
                   "link runs (--wan); the ceiling is measured for both.")
@@ -402,6 +403,12 @@ def main(argv):
         print(f"{name}: link {rate_bps / 1e9:.2f} Gbit/s rtt {FLAGS.wan_rtt_ms:g} ms, "
               f"{lanes} connection(s): goodput {v['goodput_bytes_per_s'] / 1e6:.0f} MB/s, "
               f"utilization {100 * v['utilization']:.0f}%, retransmits {v['retransmits']}")
+      fixed = r["fixed_cost"] = wan_planes.wan_fixed_cost(
+          load_config(name), rate_bps, FLAGS.wan_rtt_ms / 1e3, lanes=FLAGS.lanes,
+          repeats=max(FLAGS.repeats, 10), engine=FLAGS.wan_engine)
+      print(f"{name}: fixed cost of a {fixed['tokens']}-token state over the link: "
+            f"{fixed['median_s'] * 1e3:.1f} ms = {fixed['round_trips']:.2f} raw TCP round "
+            f"trips ({fixed['raw_tcp_rtt_s'] * 1e3:.1f} ms)", flush=True)
     with open(FLAGS.json_out, "w") as f:
       json.dump(results, f, indent=2)
     return

@@ -155,3 +155,51 @@ def wan_utilization(config, tokens: int, rate_bps: float, rtt_s: float, lanes=(1
     relay.stop()
     rx.stop()
   return out
+
+
+def wan_fixed_cost(config, rate_bps: float, rtt_s: float, *, tokens: int = 4, lanes: int = 4,
+                   repeats: int = 20, engine: str = "splice") -> dict:
+  """Begin to committed for a tiny state (``tokens`` tokens) over the emulated
+  link, next to one raw TCP round trip through the same relay: a warm
+  transfer's fixed cost in round trips. Median of ``repeats`` after one
+  cold and one warm-up transfer."""
+  import statistics
+
+  from paas_jax import codec
+  from paas_jax.codec.testing import random_state
+  from paas_jax.transport import SenderOptions, StateSender
+  from paas_jax.transport.dataplane.tuning import Tuning
+
+  groups = list(codec.encode_groups(random_state(config, [tokens], capacity=tokens, seed=1)))
+  fingerprint = config.fingerprint()
+  rx = tp.Child(_serve_receiver_at, {config.name: fingerprint}, DATA_HOST)
+  echo = tp.Child(tp._serve_tcp, None)
+  grpc_port, dp_port = rx.port
+  relay = Relay(rate_bps, rtt_s, [f"control=127.0.0.1:0->127.0.0.1:{grpc_port}@a_to_b",
+                                  f"dataplane=127.0.0.1:{dp_port}->{DATA_HOST}:{dp_port}@a_to_b",
+                                  f"echo=127.0.0.1:0->127.0.0.1:{echo.port}@a_to_b"],
+                engine=engine)
+  try:
+    sock = tp._tcp_client(relay.ports["echo"], None)
+    try:
+      raw_rtt = tp._tcp_rtt(sock, max(repeats, 5))
+    finally:
+      sock.close()
+    opts = SenderOptions(plane="tcp", lanes=lanes,
+                         tuning=Tuning(rate_bytes_per_s=rate_bps / 8, rtt_s=rtt_s))
+    times = []
+    with StateSender(f"127.0.0.1:{relay.ports['control']}", options=opts) as sender:
+      for r in range(repeats + 2):
+        t0 = time.perf_counter()
+        tp._sender_send(sender, groups, model_id=config.name, fingerprint=fingerprint,
+                        num_layers=config.n_layers, tokens=tokens)
+        if r >= 2:
+          times.append(time.perf_counter() - t0)
+  finally:
+    relay.stop()
+    echo.stop()
+    rx.stop()
+  median = statistics.median(times)
+  return {"tokens": tokens, "state_bytes": sum(len(b) for g in groups for b in g.blobs.values()),
+          "rtt_s": rtt_s, "raw_tcp_rtt_s": raw_rtt, "median_s": median,
+          "round_trips": median / raw_rtt, "runs_s": times}

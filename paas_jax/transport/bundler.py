@@ -85,7 +85,7 @@ class Bundler:
       return None
     payload = bundle_lib.pack([(g.entry, t, [g.blobs[c.key] for _, c in g.entry.chunks()])
                                for g, t in held])
-    groups = [(g.entry.index, g.entry.nbytes, sum(1 for _ in g.entry.chunks()))
+    groups = [(g.entry.index, g.entry.nbytes, g.entry.num_chunks)
               for g, _ in held]
     return BundleItem(payload, bundle_lib.label([g for g, _, _ in groups]), groups)
 
@@ -101,6 +101,33 @@ class LaneCallbacks:
     response = transport_pb2.BeginResponse.FromString(body)
     if response.max_frame_bytes:
       self._pool.announced_max_frame_bytes = int(response.max_frame_bytes)
+
+  def _plane_commit(self, request: transport_pb2.CommitRequest,
+                    bundle: BundleItem | None) -> transport_pb2.CommitResponse | None:
+    """Sends COMMIT on the data plane; its answer, or None where Commit must
+    be asked again (``Transfer._commit_with_retries`` does). Behind a BUNDLE,
+    which holds the whole state, COMMIT follows it on its connection at once
+    (one round trip less); else it leaves from the lane that reads the last
+    acknowledgement (armed), so no thread has to wake up in between."""
+    payload = request.SerializeToString()
+    if bundle is not None:
+      armed = self._stream.call_after(frames.COMMIT, payload, after=bundle)
+      self._stream.write_through()
+    else:
+      armed = self._stream.call_when_drained(frames.COMMIT, payload)
+    try:
+      body = self._stream.reply(armed, timeout_s=self._options.commit_timeout_s)
+    finally:
+      self._recorder.queue_peak(self._stream.peak_bytes)
+    first = transport_pb2.CommitResponse.FromString(body)
+    if self._begin_frame is not None:
+      self._begin_reply()  # answered before the frames behind it
+    if bundle is not None and not first.complete:
+      # The BUNDLE was rejected and is being resent whole: let it land, then
+      # ask again, rather than resending its objects one by one.
+      self._stream.drain()
+      return None
+    return first
 
   def _open_lane_stream(self) -> LaneStream:
     return LaneStream(self._pool, self.transfer_id, lanes=self._options.lanes,

@@ -169,6 +169,7 @@ class Transfer(LaneCallbacks, PushStreams):
         self._put_layer(_FINISH)
         self._encoder.join()
       self._check()
+      bundle = None
       if self._stream is None:
         self._frames.close()
       else:
@@ -179,20 +180,10 @@ class Transfer(LaneCallbacks, PushStreams):
           # while the manifest is built here.
           self._stream.write_through()
       if self._plane_control:
-        # The manifest is built while the frames are in flight, and COMMIT
-        # leaves from the lane that reads the last acknowledgement: no
-        # thread has to wake up between the state arriving and COMMIT.
+        # The manifest is built while the frames are in flight.
         manifest = self._build_manifest()
         request = self._commit_request(manifest)
-        armed = self._stream.call_when_drained(plane_frames.COMMIT,
-                                               request.SerializeToString())
-        try:
-          body = self._stream.reply(armed, timeout_s=self._options.commit_timeout_s)
-        finally:
-          self._recorder.queue_peak(self._stream.peak_bytes)
-        first = transport_pb2.CommitResponse.FromString(body)
-        if self._begin_frame is not None:
-          self._begin_reply()  # answered before the frames behind it
+        first = self._plane_commit(request, bundle)
         ready = self._commit_with_retries(manifest, request, first)
       else:
         self._wait_streams()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 
 import pytest
 
@@ -330,96 +329,3 @@ def test_negative_control_commit_that_hangs_times_out(config, state):
   assert error is not None and error.code == grpc.StatusCode.DEADLINE_EXCEEDED
   assert "no reply to COMMIT" in error.message
 
-
-def _write_through_run(config, state, monkeypatch, *, hold_begin_s=0.0,
-                       take_outside_write_lock=False):
-  """Two warm one-connection transfers of a state small enough for one BUNDLE
-  frame (the first, cold one learns the plane). Returns (the second's error
-  or None, its writes as (kind, writing thread's name), the caller's thread
-  name). ``hold_begin_s``: a lane writer that took BEGIN holds it that long
-  before writing it, and the caller's write-throughs start late enough for
-  that writer to take BEGIN first. ``take_outside_write_lock``: lane
-  writers take frames before they get the write lock (the order bug that
-  taking under it rules out)."""
-  from paas_jax.transport import TransferError
-  from paas_jax.transport.dataplane import lanes as lanes_mod
-  real_take, real_through = LaneStream.take, LaneStream.write_through
-
-  def take(self, lane, room, max_frames, max_bytes, fit_room=False):
-    items = real_take(self, lane, room, max_frames, max_bytes, fit_room)
-    if (hold_begin_s and threading.current_thread().name.endswith("-tx")
-        and any(item.kind == frames.BEGIN for item in items)):
-      time.sleep(hold_begin_s)
-    return items
-
-  def write_through(self):
-    if hold_begin_s:
-      time.sleep(hold_begin_s / 10)
-    real_through(self)
-
-  def write_queued_taking_first(self, stream):
-    with self._cv:
-      room = self._window - self._unacked_bytes
-    items = stream.take(self, room, lanes_mod.BATCH_FRAMES, lanes_mod.BATCH_BYTES)
-    if items:
-      with self._wlock:
-        self._send(items)
-
-  monkeypatch.setattr(LaneStream, "take", take)
-  monkeypatch.setattr(LaneStream, "write_through", write_through)
-  if take_outside_write_lock:
-    monkeypatch.setattr(lanes_mod.Lane, "_write_queued", write_queued_taking_first)
-  writes = []
-
-  def hook(lane, item, payload):
-    writes.append((item.kind, threading.current_thread().name))
-    return payload
-
-  with receivers(config) as make:
-    rx = make()
-    with StateSender(rx.target, options=SenderOptions(plane="tcp", lanes=1)) as sender:
-      send(sender, config, state)  # cold: gRPC Begin learns the plane
-      rx.receiver.ready.get(timeout=10)
-      for pool in sender.data_planes:
-        for lane in pool.lanes():
-          lane._fault_hook = hook
-      error = None
-      try:
-        send(sender, config, state)
-        assert_states_match(state, rx.receiver.ready.get(timeout=10).state, N)
-      except TransferError as e:
-        error = e
-    assert_clean(rx)
-  return error, writes, threading.current_thread().name
-
-
-def test_caller_writes_begin_and_bundle_itself(config, state, monkeypatch):
-  """A warm small transfer's BEGIN and BUNDLE leave from the caller's own
-  thread (no lane writer has to wake up and get the interpreter), COMMIT
-  from the lane that read the acknowledgement."""
-  error, writes, caller = _write_through_run(config, state, monkeypatch)
-  assert error is None
-  assert [kind for kind, _ in writes] == [frames.BEGIN, frames.BUNDLE, frames.COMMIT]
-  assert [who for _, who in writes[:2]] == [caller, caller]
-  assert writes[2][1].startswith("dp-lane")
-
-
-def test_frames_keep_queue_order_when_caller_and_writer_race(config, state, monkeypatch):
-  """A lane writer that took BEGIN and is slow to write it holds the write
-  lock, so the caller's write-through cannot put the BUNDLE on the wire
-  first; the transfer commits."""
-  error, writes, _ = _write_through_run(config, state, monkeypatch, hold_begin_s=1.0)
-  assert error is None
-  assert [kind for kind, _ in writes] == [frames.BEGIN, frames.BUNDLE, frames.COMMIT]
-  assert writes[0][1].startswith("dp-lane")  # the race happened: the writer took BEGIN
-
-
-def test_negative_control_taking_outside_the_write_lock_reorders(config, state,
-                                                                 monkeypatch):
-  """Negative control of the above: a writer that takes BEGIN before it holds
-  the write lock lets the caller write the BUNDLE ahead of it; the receiver
-  refuses a frame of a transfer it has not begun."""
-  error, writes, _ = _write_through_run(config, state, monkeypatch, hold_begin_s=1.0,
-                                        take_outside_write_lock=True)
-  assert writes[0][0] == frames.BUNDLE  # BEGIN after it, or never: the lane died first
-  assert error is not None

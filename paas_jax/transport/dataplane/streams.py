@@ -31,32 +31,10 @@ import grpc
 
 from paas_jax.codec.store import crc32c
 from paas_jax.transport.dataplane import frames
+from paas_jax.transport.dataplane.outgoing import Outgoing
 from paas_jax.transport.errors import TransferError
 
 Code = grpc.StatusCode
-
-
-class Outgoing:
-  """One frame to send: header fields and a memoryview of the payload."""
-
-  __slots__ = ("kind", "layer", "key", "crc", "payload", "attempt", "is_chunk", "stream",
-               "resend", "reply", "sent_at")
-
-  def __init__(self, kind: int, layer: int, key: str, crc: int, payload, is_chunk: bool,
-               attempt: int = 0, resend: bool = False):
-    self.kind, self.layer, self.key, self.crc = kind, layer, key, crc
-    self.payload = memoryview(payload).cast("B") if not isinstance(payload, memoryview) else (
-        payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B"))
-    self.attempt = attempt
-    self.is_chunk = is_chunk
-    self.resend = resend
-    self.stream: "LaneStream | None" = None
-    self.reply: list[bytes] | None = None  # control frames: [RESULT body] once answered
-    self.sent_at: float | None = None  # monotonic, once its last byte was written
-
-  @property
-  def nbytes(self) -> int:
-    return len(self.payload)
 
 
 class LaneStream:
@@ -242,6 +220,22 @@ class LaneStream:
     self.put(item)
     return item
 
+  def call_after(self, kind: int, payload: bytes, after: Outgoing) -> Outgoing:
+    """Like ``call_async``, but the frame goes on the connection that takes
+    ``after`` (queued before it), right behind it: the receiver reads one
+    connection in order, so it handles ``after`` first. For COMMIT behind a
+    BUNDLE that holds the whole state (no acknowledgement to wait for; if the
+    receiver rejects the bundle, the resent one is taken again, and COMMIT
+    follows wherever it goes or, already written, is answered with what is
+    missing). ``reply`` waits for the RESULT."""
+    if kind not in frames.CONTROL_KINDS:
+      raise ValueError(f"frame kind {kind} is not a control frame")
+    item = Outgoing(kind, -1, "", crc32c(payload), payload, is_chunk=False)
+    item.reply = []
+    item.follows = after
+    self.put(item)
+    return item
+
   def _release_armed_locked(self) -> Outgoing | None:
     """Queues the armed frame once nothing is outstanding (caller holds the
     lock); returns it, to be written by the caller's lane."""
@@ -291,7 +285,7 @@ class LaneStream:
       while True:
         if self._error is not None or lane not in self._lanes:
           return False
-        if self._queue and (not self._begin_pending or self._begin_lane in (None, lane)):
+        if self._queue and self._may_take(lane):
           return True
         if self._closed and self._outstanding == 0:
           return False
@@ -306,11 +300,11 @@ class LaneStream:
     frames leave in one write). [] if there is none."""
     with self._cv:
       if (self._error is not None or lane not in self._lanes or not self._queue
-          or (self._begin_pending and self._begin_lane not in (None, lane))
-          or (fit_room and self._queue[0].nbytes > room)):
+          or not self._may_take(lane) or (fit_room and self._queue[0].nbytes > room)):
         return []
       first = self._queue.popleft()
       self._queued_bytes -= first.nbytes
+      first.taken_by = lane
       out, total = [first], first.nbytes
       limit = min(max_bytes, room)
       # Behind an unanswered BEGIN only its own lane writes, so a batch may
@@ -319,16 +313,25 @@ class LaneStream:
         self._begin_lane = lane
       while self._queue and len(out) < max_frames:
         nxt = self._queue[0]
-        if total + nxt.nbytes > limit:
+        if total + nxt.nbytes > limit or (nxt.follows is not None
+                                          and nxt.follows.taken_by is not lane):
           break
         self._queue.popleft()
         self._queued_bytes -= nxt.nbytes
+        nxt.taken_by = lane
         if nxt.kind == frames.BEGIN:
           self._begin_lane = lane
         out.append(nxt)
         total += nxt.nbytes
       self._cv.notify_all()
     return out
+
+  def _may_take(self, lane) -> bool:
+    """Whether ``lane`` may take the head of the (non-empty) queue (lock held)."""
+    if self._begin_pending and self._begin_lane not in (None, lane):
+      return False
+    follows = self._queue[0].follows
+    return follows is None or follows.taken_by is lane
 
   def write_through(self) -> None:
     """Writes what is queued from the calling thread where a lane is free to
@@ -419,6 +422,11 @@ class LaneStream:
         self.lanes_lost += 1
       if self._error is not None:
         return
+      for item in self._queue:
+        if item.follows is not None and item.follows.taken_by is lane:
+          # What it follows is either back in the queue (below; taken again,
+          # the pin holds) or acknowledged: any lane may take it now.
+          item.follows = None
       for item in reversed(items):
         item.resend = True
         self.resent += 1

@@ -3,11 +3,6 @@ queues them, ``lanes.Lane`` writes them)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the stream module imports this one
-  from paas_jax.transport.dataplane.streams import LaneStream
-
 
 class Outgoing:
   """One frame to send: header fields and a memoryview of the payload."""
@@ -23,7 +18,7 @@ class Outgoing:
     self.attempt = attempt
     self.is_chunk = is_chunk
     self.resend = resend
-    self.stream: "LaneStream | None" = None
+    self.stream = None  # the ``LaneStream`` that queued it
     self.reply: list[bytes] | None = None  # control frames: [RESULT body] once answered
     self.sent_at: float | None = None  # monotonic, once its last byte was written
     self.taken_by = None  # the lane that took it last (to write it)

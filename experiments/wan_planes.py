@@ -16,6 +16,7 @@ connection; the splice relay the link's one-way bandwidth-delay product.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -106,6 +107,27 @@ def relay_ceiling(nbytes: int = 256 << 20, connections: int = 4, repeats: int = 
     sink.stop()
 
 
+@contextlib.contextmanager
+def _receiver_behind_relay(config, rate_bps: float, rtt_s: float, engine: str,
+                           extra_routes: list[str] = ()):
+  """A receiver process for ``config`` whose gRPC port and data plane are
+  reached through a relay of the emulated link (routes "control" and
+  "dataplane", plus ``extra_routes``); yields the ``Relay``."""
+  rx = tp.Child(_serve_receiver_at, {config.name: config.fingerprint()}, DATA_HOST)
+  try:
+    grpc_port, dp_port = rx.port
+    relay = Relay(rate_bps, rtt_s,
+                  [f"control=127.0.0.1:0->127.0.0.1:{grpc_port}@a_to_b",
+                   f"dataplane=127.0.0.1:{dp_port}->{DATA_HOST}:{dp_port}@a_to_b",
+                   *extra_routes], engine=engine)
+    try:
+      yield relay
+    finally:
+      relay.stop()
+  finally:
+    rx.stop()
+
+
 def wan_utilization(config, tokens: int, rate_bps: float, rtt_s: float, lanes=(1, 4),
                     repeats: int = 2, window_bytes: int = 256 << 10,
                     engine: str = "splice") -> dict:
@@ -123,15 +145,10 @@ def wan_utilization(config, tokens: int, rate_bps: float, rtt_s: float, lanes=(1
   state = random_state(config, [tokens], capacity=tokens, seed=0)
   groups = list(codec.encode_groups(state))
   payload = sum(len(b) for g in groups for b in g.blobs.values())
-  rx = tp.Child(_serve_receiver_at, {config.name: config.fingerprint()}, DATA_HOST)
-  grpc_port, dp_port = rx.port
-  relay = Relay(rate_bps, rtt_s, [f"control=127.0.0.1:0->127.0.0.1:{grpc_port}@a_to_b",
-                                  f"dataplane=127.0.0.1:{dp_port}->{DATA_HOST}:{dp_port}@a_to_b"],
-                engine=engine)
   out = {"rate_bytes_per_s": rate_bps / 8, "rtt_s": rtt_s, "payload_bytes": payload,
          "relay_engine": engine,
          "window_bytes_per_connection": window_bytes, "lanes": {}}
-  try:
+  with _receiver_behind_relay(config, rate_bps, rtt_s, engine) as relay:
     target = f"127.0.0.1:{relay.ports['control']}"
     for n in lanes:
       opts = SenderOptions(plane="tcp", lanes=n, window_bytes=window_bytes,
@@ -151,9 +168,6 @@ def wan_utilization(config, tokens: int, rate_bps: float, rtt_s: float, lanes=(1
             # Begin to committed, so the fixed round trips count against it.
             "utilization": payload / best / (rate_bps / 8),
             "retransmits": sender.retransmits(), "runs_s": times}
-  finally:
-    relay.stop()
-    rx.stop()
   return out
 
 
@@ -172,33 +186,27 @@ def wan_fixed_cost(config, rate_bps: float, rtt_s: float, *, tokens: int = 4, la
 
   groups = list(codec.encode_groups(random_state(config, [tokens], capacity=tokens, seed=1)))
   fingerprint = config.fingerprint()
-  rx = tp.Child(_serve_receiver_at, {config.name: fingerprint}, DATA_HOST)
+  opts = SenderOptions(plane="tcp", lanes=lanes,
+                       tuning=Tuning(rate_bytes_per_s=rate_bps / 8, rtt_s=rtt_s))
+  times = []
   echo = tp.Child(tp._serve_tcp, None)
-  grpc_port, dp_port = rx.port
-  relay = Relay(rate_bps, rtt_s, [f"control=127.0.0.1:0->127.0.0.1:{grpc_port}@a_to_b",
-                                  f"dataplane=127.0.0.1:{dp_port}->{DATA_HOST}:{dp_port}@a_to_b",
-                                  f"echo=127.0.0.1:0->127.0.0.1:{echo.port}@a_to_b"],
-                engine=engine)
   try:
-    sock = tp._tcp_client(relay.ports["echo"], None)
-    try:
-      raw_rtt = tp._tcp_rtt(sock, max(repeats, 5))
-    finally:
-      sock.close()
-    opts = SenderOptions(plane="tcp", lanes=lanes,
-                         tuning=Tuning(rate_bytes_per_s=rate_bps / 8, rtt_s=rtt_s))
-    times = []
-    with StateSender(f"127.0.0.1:{relay.ports['control']}", options=opts) as sender:
-      for r in range(repeats + 2):
-        t0 = time.perf_counter()
-        tp._sender_send(sender, groups, model_id=config.name, fingerprint=fingerprint,
-                        num_layers=config.n_layers, tokens=tokens)
-        if r >= 2:
-          times.append(time.perf_counter() - t0)
+    with _receiver_behind_relay(config, rate_bps, rtt_s, engine, extra_routes=[
+        f"echo=127.0.0.1:0->127.0.0.1:{echo.port}@a_to_b"]) as relay:
+      sock = tp._tcp_client(relay.ports["echo"], None)
+      try:
+        raw_rtt = tp._tcp_rtt(sock, max(repeats, 5))
+      finally:
+        sock.close()
+      with StateSender(f"127.0.0.1:{relay.ports['control']}", options=opts) as sender:
+        for r in range(repeats + 2):
+          t0 = time.perf_counter()
+          tp._sender_send(sender, groups, model_id=config.name, fingerprint=fingerprint,
+                          num_layers=config.n_layers, tokens=tokens)
+          if r >= 2:
+            times.append(time.perf_counter() - t0)
   finally:
-    relay.stop()
     echo.stop()
-    rx.stop()
   median = statistics.median(times)
   return {"tokens": tokens, "state_bytes": sum(len(b) for g in groups for b in g.blobs.values()),
           "rtt_s": rtt_s, "raw_tcp_rtt_s": raw_rtt, "median_s": median,

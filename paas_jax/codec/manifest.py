@@ -178,8 +178,6 @@ def _parsed(cls, **fields):
   return obj
 
 
-
-
 def _source_sharding(d) -> dict | None:
   """``ArrayEntry.source_sharding`` from JSON (ValueError if malformed)."""
   if d is None:

@@ -348,15 +348,13 @@ class Transfer(LaneCallbacks, PushStreams):
       raise TransferError(Code.INVALID_ARGUMENT, f"layer {entry.index} sent twice",
                           self.transfer_id)
     limit = self._max_frame_bytes - channels.FRAME_OVERHEAD_BYTES
-    chunks = self._chunks
-    blobs = group.blobs
     for array, chunk in entry.chunks():
       if chunk.nbytes > limit:
         raise TransferError(Code.INVALID_ARGUMENT,
                             f"layer {entry.index} chunk {chunk.key!r} is {chunk.nbytes} "
                             f"bytes; the receiver takes at most {limit} per frame (lower "
                             "CodecOptions.chunk_bytes)", self.transfer_id)
-      chunks[chunk.key] = (entry.index, chunk, blobs[chunk.key])
+      self._chunks[chunk.key] = (entry.index, chunk, group.blobs[chunk.key])
     self._entries[entry.index] = entry
     self._recorder.layer_encoded(entry.index, entry.nbytes, entry.num_chunks)
     # The whole layer is pending from here, also the part still waiting for

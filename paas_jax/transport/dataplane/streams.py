@@ -37,6 +37,15 @@ from paas_jax.transport.errors import TransferError
 Code = grpc.StatusCode
 
 
+def _control_frame(kind: int, payload: bytes) -> Outgoing:
+  """A BEGIN / COMMIT frame, waiting for its RESULT (``LaneStream.reply``)."""
+  if kind not in frames.CONTROL_KINDS:
+    raise ValueError(f"frame kind {kind} is not a control frame")
+  item = Outgoing(kind, -1, "", crc32c(payload), payload, is_chunk=False)
+  item.reply = []
+  return item
+
+
 class LaneStream:
   """The data-plane side of one transfer; see the module docstring.
 
@@ -187,10 +196,7 @@ class LaneStream:
     """Queues a control frame; ``reply`` waits for its RESULT. Frames queued
     after a BEGIN wait for its RESULT unless they can follow it on its own
     connection (pipelined: no round trip before the first frame leaves)."""
-    if kind not in frames.CONTROL_KINDS:
-      raise ValueError(f"frame kind {kind} is not a control frame")
-    item = Outgoing(kind, -1, "", crc32c(payload), payload, is_chunk=False)
-    item.reply = []
+    item = _control_frame(kind, payload)
     if kind == frames.BEGIN:
       with self._cv:
         self._begin_pending = True
@@ -205,10 +211,7 @@ class LaneStream:
     the last acknowledgement writes it at once (``Lane.write_now``), so
     neither the caller's thread nor the lane's writer has to wake up between
     the last acknowledgement and COMMIT. ``reply`` waits for its RESULT."""
-    if kind not in frames.CONTROL_KINDS:
-      raise ValueError(f"frame kind {kind} is not a control frame")
-    item = Outgoing(kind, -1, "", crc32c(payload), payload, is_chunk=False)
-    item.reply = []
+    item = _control_frame(kind, payload)
     with self._cv:
       if self._error is not None:
         raise self._error
@@ -228,10 +231,7 @@ class LaneStream:
     receiver rejects the bundle, the resent one is taken again, and COMMIT
     follows wherever it goes or, already written, is answered with what is
     missing). ``reply`` waits for the RESULT."""
-    if kind not in frames.CONTROL_KINDS:
-      raise ValueError(f"frame kind {kind} is not a control frame")
-    item = Outgoing(kind, -1, "", crc32c(payload), payload, is_chunk=False)
-    item.reply = []
+    item = _control_frame(kind, payload)
     item.follows = after
     self.put(item)
     return item
@@ -300,29 +300,23 @@ class LaneStream:
     frames leave in one write). [] if there is none."""
     with self._cv:
       if (self._error is not None or lane not in self._lanes or not self._queue
-          or not self._may_take(lane) or (fit_room and self._queue[0].nbytes > room)):
+          or (fit_room and self._queue[0].nbytes > room)):
         return []
-      first = self._queue.popleft()
-      self._queued_bytes -= first.nbytes
-      first.taken_by = lane
-      out, total = [first], first.nbytes
+      out, total = [], 0
       limit = min(max_bytes, room)
       # Behind an unanswered BEGIN only its own lane writes, so a batch may
       # carry BEGIN and the frames after it.
-      if first.kind == frames.BEGIN:
-        self._begin_lane = lane
-      while self._queue and len(out) < max_frames:
-        nxt = self._queue[0]
-        if total + nxt.nbytes > limit or (nxt.follows is not None
-                                          and nxt.follows.taken_by is not lane):
+      while self._queue and len(out) < max_frames and self._may_take(lane):
+        item = self._queue[0]
+        if out and total + item.nbytes > limit:
           break
         self._queue.popleft()
-        self._queued_bytes -= nxt.nbytes
-        nxt.taken_by = lane
-        if nxt.kind == frames.BEGIN:
+        self._queued_bytes -= item.nbytes
+        item.taken_by = lane
+        if item.kind == frames.BEGIN:
           self._begin_lane = lane
-        out.append(nxt)
-        total += nxt.nbytes
+        out.append(item)
+        total += item.nbytes
       self._cv.notify_all()
     return out
 
@@ -334,8 +328,8 @@ class LaneStream:
     return follows is None or follows.taken_by is lane
 
   def write_through(self) -> None:
-    """Writes what is queued from the calling thread where a lane is free to
-    (``Lane.write_now``): for a caller that queued small frames (BEGIN, a
+    """Writes what is queued from the calling thread, on each lane whose
+    write lock is free (``Lane.write_now``): for a caller that queued small frames (BEGIN, a
     BUNDLE) and goes on with other work, so that they need not wait for a
     lane's writer thread to get the interpreter."""
     with self._cv:

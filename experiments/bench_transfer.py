@@ -443,7 +443,9 @@ def main(argv):
       for row, v in r["rows"].items():
         print(f"  {row:20s} {v['goodput_gbps']:6.2f} GB/s  x{v['vs_raw_tcp']:.2f} raw  "
               f"x{v['vs_raw_tcp_kept']:.2f} raw kept  "
-              f"cpu s/GB tx {v['cpu_s_per_gb_sender']:.3f} rx {v['cpu_s_per_gb_receiver']:.3f}"
+              f"cpu s/GB tx {v['cpu_s_per_gb_sender']:.3f} rx {v['cpu_s_per_gb_receiver']:.3f}  "
+              f"faults/GB tx {v['page_faults_per_gb_sender']:.0f} "
+              f"rx {v['page_faults_per_gb_receiver']:.0f}"
               + (f"  fixed {v['fixed_cost']['median_s'] * 1e3:.2f} ms"
                  if "fixed_cost" in v else ""))
       print(f"  raw TCP rtt {r['raw_tcp_rtt_s'] * 1e6:.0f} us; tcp plane vs gRPC path "

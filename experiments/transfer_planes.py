@@ -25,6 +25,7 @@ each receiver in its own process (no shared GIL), one run measures:
 from __future__ import annotations
 
 import multiprocessing as mp
+import resource
 import socket
 import ssl
 import statistics
@@ -36,12 +37,17 @@ import time
 # -- child processes ------------------------------------------------------------------
 
 
+def _usage() -> tuple[float, int]:
+  """(CPU seconds, minor page faults) of this process so far."""
+  return time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _cpu_loop(conn) -> None:
-  """Answers "cpu" with this process's CPU seconds until told to stop."""
+  """Answers "cpu" with ``_usage()`` until told to stop."""
   while True:
     msg = conn.recv()
     if msg == "cpu":
-      conn.send(time.process_time())
+      conn.send(_usage())
     else:
       return
 
@@ -165,7 +171,8 @@ class Child:
       raise RuntimeError(f"{target.__name__} did not start")
     self.port = self.conn.recv()
 
-  def cpu(self) -> float:
+  def cpu(self) -> tuple[float, int]:
+    """(CPU seconds, minor page faults) of the child so far."""
     self.conn.send("cpu")
     return self.conn.recv()
 
@@ -189,22 +196,26 @@ def _measure_interleaved(rows: list, repeats: int, payload: int) -> dict:
   for _, fn, _ in rows:
     fn()  # warm-up: connections, TLS sessions, code paths
   times = {name: [] for name, _, _ in rows}
-  cpu = {name: [0.0, 0.0] for name, _, _ in rows}
+  # Per row: CPU seconds and minor page faults of the sender, then the receiver.
+  cpu = {name: [0.0, 0, 0.0, 0] for name, _, _ in rows}
   for _ in range(repeats):
     for name, fn, rx in rows:
-      tx0, rx0 = time.process_time(), rx.cpu()
+      tx0, rx0 = _usage(), rx.cpu()
       t0 = time.perf_counter()
       fn()
       times[name].append(time.perf_counter() - t0)
-      cpu[name][0] += time.process_time() - tx0
-      cpu[name][1] += rx.cpu() - rx0
+      tx1, rx1 = _usage(), rx.cpu()
+      for i, d in enumerate((tx1[0] - tx0[0], tx1[1] - tx0[1], rx1[0] - rx0[0], rx1[1] - rx0[1])):
+        cpu[name][i] += d
   gb = payload * repeats / 1e9
   out = {}
   for name in times:
     t = statistics.median(times[name])
     out[name] = {"goodput_gbps": payload / t / 1e9, "median_s": t, "runs_s": times[name],
                  "cpu_s_per_gb_sender": cpu[name][0] / gb,
-                 "cpu_s_per_gb_receiver": cpu[name][1] / gb}
+                 "cpu_s_per_gb_receiver": cpu[name][2] / gb,
+                 "page_faults_per_gb_sender": cpu[name][1] / gb,
+                 "page_faults_per_gb_receiver": cpu[name][3] / gb}
   return out
 
 

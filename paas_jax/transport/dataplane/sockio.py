@@ -3,6 +3,12 @@ reader thread at a time.
 
 Plain TCP: ``sendmsg`` and ``recv_into`` straight on the socket (the kernel
 serialises them; a sender may write and read one connection concurrently).
+The socket is blocking and its timeout is the kernel's (``SO_SNDTIMEO`` /
+``SO_RCVTIMEO``), not Python's. A Python timeout makes the socket
+non-blocking and polls before every call, so a large write became many
+partial ``sendmsg`` calls, each behind a ``poll`` and a pass through the
+interpreter; now the kernel sleeps inside one call until all of it is
+written, or the timeout ends the call with a partial count.
 
 TLS: one OpenSSL connection must not be used by two threads at once. A
 concurrent ``SSL_write`` (frames) and ``SSL_read`` (replies) on one
@@ -27,6 +33,7 @@ from __future__ import annotations
 import select
 import socket
 import ssl
+import struct
 import threading
 import time
 
@@ -38,6 +45,12 @@ def shutdown(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
     socket.socket.shutdown(sock, how)  # not SSLSocket.shutdown: see the module docstring
   except OSError:
     pass
+
+
+def _timeval(seconds: float) -> bytes:
+  """``struct timeval`` for ``SO_SNDTIMEO``/``SO_RCVTIMEO`` (0 would mean "never")."""
+  micros = max(int(seconds * 1e6), 1000)
+  return struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
 
 
 class LaneSocket:
@@ -59,7 +72,10 @@ class LaneSocket:
     if self.tls:
       sock.setblocking(False)
     else:
-      sock.settimeout(timeout_s)
+      sock.settimeout(None)
+      timeval = _timeval(timeout_s)
+      sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+      sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
 
   def send(self, views: list[memoryview]) -> int:
     """Writes from ``views`` (plain: all of them with one ``sendmsg``; TLS: the
@@ -73,7 +89,7 @@ class LaneSocket:
     if not self.tls:
       try:
         return self.sock.sendmsg(views)
-      except socket.timeout:
+      except BlockingIOError:  # SO_SNDTIMEO ended the call before any byte went
         return 0
     head = views[0]
     return self._tls_call(lambda: self.sock.send(head)) or 0
@@ -88,7 +104,7 @@ class LaneSocket:
     if not self.tls:
       try:
         return self.sock.recv_into(view)
-      except socket.timeout:
+      except BlockingIOError:  # SO_RCVTIMEO ended the call with nothing read
         return None
     return self._tls_call(lambda: self.sock.recv_into(view))
 

@@ -349,8 +349,12 @@ class LaneStream:
     reader saw it, which writes an armed frame released by it."""
     with self._cv:
       self._outstanding -= 1
-      released = self._release_armed_locked()
-      self._cv.notify_all()
+      released = self._release_armed_locked()  # notifies if it queued a frame
+      if not self._outstanding:
+        # Only waiters for "nothing outstanding" (wait, drain, a writer of a
+        # closed stream) care about an acknowledgement; waking the producer
+        # and the writers for each one cost a thread switch per chunk.
+        self._cv.notify_all()
     if released is not None and lane is not None:
       lane.write_now(self)
 

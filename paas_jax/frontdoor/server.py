@@ -30,7 +30,7 @@ from paas_jax.frontdoor.app import Gateway, GatewayConfig, make_app
 from paas_jax.frontdoor.backend import BrokerBackend
 from paas_jax.security import channel_credentials, read_token
 from paas_jax.security import cli as security_cli
-from paas_jax.serving import common
+from paas_jax.serving import child_process, common
 
 log = logging.getLogger("paas_jax.frontdoor")
 FLAGS = flags.FLAGS
@@ -105,5 +105,6 @@ async def serve() -> None:
 
 def main(argv) -> None:
   del argv
+  child_process.die_with_parent()
   security_cli.setup_logging("gateway", FLAGS.log_level)
   asyncio.run(serve())

@@ -25,6 +25,7 @@ from absl import app, flags
 from paas_jax.netem.link import BandwidthTrace, LinkSpec, describe, parse_rate
 from paas_jax.netem.relay import Relay, Route
 from paas_jax.netem.splice_relay import SpliceRelay, default_engine
+from paas_jax.serving import child_process
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("bandwidth", "100mbit", "Link bandwidth (e.g. 100mbit, 1gbit; 0: unlimited).")
@@ -57,6 +58,7 @@ def _write(path: str | None, data: dict) -> None:
 
 def main(argv):
   del argv
+  child_process.die_with_parent()
   if not FLAGS.route:
     raise app.UsageError("give at least one --route")
   spec = LinkSpec(bandwidth_bps=parse_rate(FLAGS.bandwidth), rtt_s=FLAGS.rtt_ms / 1e3,

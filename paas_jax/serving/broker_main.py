@@ -13,7 +13,7 @@ from absl import app, flags
 
 from paas_jax.models import load_config
 from paas_jax.security import cli as security_cli
-from paas_jax.serving import common
+from paas_jax.serving import child_process, common
 from paas_jax.serving import pd_roles
 from paas_jax.serving.broker import (MAX_ATTEMPTS, MAX_REQUEST_BYTES, DecodeTarget,
                                      model_config_from_decode, start)
@@ -28,6 +28,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
+  child_process.die_with_parent()
   security_cli.setup_logging("broker", FLAGS.log_level)
   security = security_cli.security_from_flags("broker")
   metrics, metrics_port = security_cli.start_metrics("broker")

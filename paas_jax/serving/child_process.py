@@ -3,10 +3,20 @@
 ``spawn`` starts ``python <args> --ready_file=<workdir>/<name>.ready.json`` with
 its output in ``<workdir>/<name>.log``; ``wait_ready`` waits for a group of
 them, failing with the log tail of one that exits first.
+
+A child started from the launcher's main thread dies with the launcher: it
+calls ``die_with_parent`` first thing, which arms ``PR_SET_PDEATHSIG``.
+Otherwise a launcher that crashed (a pytest worker's segfault did) left its
+servers running, holding ports, memory and CPU. Linux sends that signal when
+the *thread* that started the child ends, hence main thread only (a restart
+from a monitor thread is not armed); and the child arms it itself, after
+``exec``, rather than in a ``preexec_fn``, which can deadlock a parent that
+runs other threads (JAX's).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -14,10 +24,36 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Sequence
 
 PY = sys.executable
+# Set by ``spawn`` to the launcher's pid; read (and removed, so that the
+# child's own children do not inherit it) by ``die_with_parent``.
+PARENT_PID_ENV = "PAAS_JAX_DIE_WITH_PARENT"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+  """``sig`` to this process when the thread that started it ends (Linux
+  ``prctl``); whether it took effect."""
+  try:
+    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig)) == 0
+  except (OSError, AttributeError):
+    return False
+
+
+def die_with_parent() -> bool:
+  """In a child ``spawn`` started: die (SIGKILL) when the launcher does; if
+  it already has, exit now. Whether this process is armed (False when it was
+  not started that way, or off Linux)."""
+  parent = os.environ.pop(PARENT_PID_ENV, "")
+  if not parent or not set_parent_death_signal():
+    return False
+  if os.getppid() != int(parent):  # the launcher ended before the signal was armed
+    os._exit(1)  # pylint: disable=protected-access
+  return True
 
 
 class LaunchError(RuntimeError):
@@ -76,6 +112,9 @@ def spawn(name: str, args: Sequence[str], workdir: pathlib.Path, *,
   full_env = dict(os.environ)
   full_env.update(env or {})
   full_env.setdefault("PYTHONUNBUFFERED", "1")
+  full_env.pop(PARENT_PID_ENV, None)
+  if threading.current_thread() is threading.main_thread():
+    full_env[PARENT_PID_ENV] = str(os.getpid())
   with open(log, "a") as f:
     popen = subprocess.Popen([*prefix, PY, *args, f"--ready_file={ready}"], stdout=f,
                              stderr=subprocess.STDOUT, env=full_env,

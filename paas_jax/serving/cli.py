@@ -5,7 +5,7 @@ from __future__ import annotations
 from absl import flags
 
 from paas_jax.security import cli as security_cli
-from paas_jax.serving import common
+from paas_jax.serving import child_process, common
 
 FLAGS = flags.FLAGS
 
@@ -51,6 +51,7 @@ def setup_process(role: str, *, name: str | None = None, tls_name: str | None = 
   process's logs and metrics (default ``role``; e.g. ``decode-slice1``: one
   process of a slice, whose peer rules are still a decode server's);
   ``tls_name`` overrides --tls_name (the process's own certificate)."""
+  child_process.die_with_parent()
   name = name or role
   security_cli.setup_logging(name, FLAGS.log_level)
   # before the slow model load

@@ -43,7 +43,7 @@ from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.scheduling.tenant_queue import DEFAULT_TENANT, TenantPolicy
 from paas_jax.security import cli as security_cli
 from paas_jax.security.hooks import server_interceptors
-from paas_jax.serving import common, control_plane, handoff_probe, logprobs
+from paas_jax.serving import child_process, common, control_plane, handoff_probe, logprobs
 from paas_jax.serving import pod, pod_prefill, pod_supervisor, prefill_server_main
 from paas_jax.serving.prefill_rpc import TENANT_NAME
 from paas_jax.serving.validation import (InvalidRequestError, RequestParams,
@@ -321,6 +321,7 @@ def define_flags() -> None:
 
 def main(argv):
   del argv
+  child_process.die_with_parent()
   if FLAGS.tp != 1:
     raise app.UsageError("--tp is the single-process server's; a pod's TP is "
                          "--pod_processes x --pod_devices")

@@ -23,7 +23,6 @@ supervisor (``PR_SET_PDEATHSIG``).
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import logging
@@ -39,11 +38,11 @@ from typing import Sequence
 from absl import flags
 
 from paas_jax.serving import common
+from paas_jax.serving.child_process import set_parent_death_signal
 from paas_jax.serving.ports import free_port
 
 log = logging.getLogger("paas_jax.serving.pod_supervisor")
 FLAGS = flags.FLAGS
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +72,7 @@ class RegionProcesses:
 
 
 def _die_with_parent() -> None:
-  ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+  set_parent_death_signal(signal.SIGKILL)
 
 
 def define_region_flags(kind: str) -> None:

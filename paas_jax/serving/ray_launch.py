@@ -25,7 +25,6 @@ too (``PR_SET_PDEATHSIG``). Certificates and tokens travel with each actor
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
@@ -42,13 +41,12 @@ import ray
 from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from paas_jax.serving.child_process import LaunchError, stop_process
+from paas_jax.serving.child_process import LaunchError, set_parent_death_signal, stop_process
 from paas_jax.serving.common import write_text_atomic
 from paas_jax.serving import ray_pods
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-_PR_SET_PDEATHSIG = 1
 # Each process takes this much of its region's custom resource, so that a node
 # started with ``region_a: 1`` holds up to 100 of them.
 REGION_SHARE = 0.01
@@ -77,8 +75,7 @@ class RayPlacement:
 
 def die_with_parent() -> None:
   """In the child, before exec: SIGKILL when the actor's process dies."""
-  libc = ctypes.CDLL("libc.so.6", use_errno=True)
-  libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+  set_parent_death_signal(signal.SIGKILL)
 
 
 def restart_args(args: Sequence[str], pins: dict) -> list[str]:

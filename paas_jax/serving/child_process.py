@@ -46,13 +46,32 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
 
 def die_with_parent() -> bool:
   """In a child ``spawn`` started: die (SIGKILL) when the launcher does; if
-  it already has, exit now. Whether this process is armed (False when it was
-  not started that way, or off Linux)."""
+  it already has, exit now. Whether this process is armed: False when it was
+  not started that way, off Linux, or in a grandchild that inherited the
+  variable from a child that never read it (a supervisor's worker: its
+  parent is the supervisor, which arms its workers itself)."""
   parent = os.environ.pop(PARENT_PID_ENV, "")
-  if not parent or not set_parent_death_signal():
+  if not parent:
     return False
-  if os.getppid() != int(parent):  # the launcher ended before the signal was armed
+  launcher = int(parent)
+  if os.getppid() != launcher:
+    if _exists(launcher):
+      return False  # not the launcher's own child
+    os._exit(1)  # the launcher is gone already  # pylint: disable=protected-access
+  if not set_parent_death_signal():
+    return False
+  if os.getppid() != launcher:  # the launcher ended before the signal was armed
     os._exit(1)  # pylint: disable=protected-access
+  return True
+
+
+def _exists(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
   return True
 
 

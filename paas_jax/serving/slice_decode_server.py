@@ -51,7 +51,7 @@ from absl import app, flags
 from paas_jax.proto import serving_pb2, serving_pb2_grpc
 from paas_jax.security.faults import FaultPlan
 from paas_jax.security.hooks import server_interceptors
-from paas_jax.serving import cli, common, control_plane, handoff_probe, logprobs, pod
+from paas_jax.serving import child_process, cli, common, control_plane, handoff_probe, logprobs, pod
 from paas_jax.serving import pod_supervisor
 from paas_jax.serving.decode_server import SERVICE, request_params, request_prompt
 from paas_jax.serving.slice_batch import ReadyBoard, SliceBatch, follow_rounds
@@ -400,6 +400,7 @@ def define_flags() -> None:
 
 def main(argv):
   del argv
+  child_process.die_with_parent()
   if FLAGS.tp != 1:
     raise app.UsageError("--tp is the single-process server's; a slice's TP is "
                          "--slice_processes x --slice_devices")

@@ -95,3 +95,30 @@ def test_negative_control_a_child_not_armed_outlives_its_launcher(tmp_path):
   info, alive = _launch_and_kill(tmp_path, "thread")
   assert not info["armed"]
   assert alive
+
+
+SUPERVISOR = textwrap.dedent("""
+  import json, os, subprocess, sys, time
+  # Like a pod or slice supervisor that starts its workers itself: it never
+  # reads the variable, so its worker inherits it.
+  grandchild = subprocess.run(
+      [sys.executable, "-c", "import json; from paas_jax.serving import child_process; "
+       "print(json.dumps(child_process.die_with_parent()))"],
+      capture_output=True, text=True, timeout=60)
+  ready = sys.argv[-1].split("=", 1)[1]
+  with open(ready + ".tmp", "w") as f:
+    json.dump({"returncode": grandchild.returncode, "armed": grandchild.stdout.strip()}, f)
+  os.replace(ready + ".tmp", ready)
+  time.sleep(120)  # a supervisor stays up (wait_ready fails on a child that exits)
+""")
+
+
+def test_a_grandchild_that_inherits_the_variable_runs_on_unarmed(tmp_path):
+  """Its parent is not the launcher: it is not armed and must not exit (a
+  slice supervisor's workers exited with 1 when they took it for an orphan)."""
+  proc = child_process.spawn("supervisor", ["-c", SUPERVISOR], tmp_path)
+  try:
+    child_process.wait_ready([proc], 60)
+  finally:
+    proc.stop()
+  assert proc.info == {"returncode": 0, "armed": "false"}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -177,8 +178,6 @@ def wan_fixed_cost(config, rate_bps: float, rtt_s: float, *, tokens: int = 4, la
   link, next to one raw TCP round trip through the same relay: a warm
   transfer's fixed cost in round trips. Median of ``repeats`` after one
   cold and one warm-up transfer."""
-  import statistics
-
   from paas_jax import codec
   from paas_jax.codec.testing import random_state
   from paas_jax.transport import SenderOptions, StateSender

@@ -34,8 +34,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from paas_jax.models.config import ModelConfig
 from paas_jax.serving import ports
+from paas_jax.serving.child_process import set_parent_death_signal
 from paas_jax.serving.pod_launch import LocalRun, PodFailure, request_specs
-from paas_jax.serving.ray_launch import REGION_SHARE, REPO, die_with_parent
+from paas_jax.serving.ray_launch import REGION_SHARE, REPO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ class PodProcess:
         proc = subprocess.Popen(
             [sys.executable, "-m", "paas_jax.serving.pod_worker", f"--spec={spec_path}",
              f"--report={report_path}"], env=env, stdout=log, stderr=subprocess.STDOUT,
-            cwd=str(REPO), preexec_fn=die_with_parent)  # pylint: disable=subprocess-popen-preexec-fn
+            cwd=str(REPO), preexec_fn=set_parent_death_signal)  # pylint: disable=subprocess-popen-preexec-fn
         try:
           rc = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

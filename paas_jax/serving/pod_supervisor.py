@@ -71,10 +71,6 @@ class RegionProcesses:
                 ("--data_plane_port",) if self.own_data_plane_ports else ())
 
 
-def _die_with_parent() -> None:
-  set_parent_death_signal(signal.SIGKILL)
-
-
 def define_region_flags(kind: str) -> None:
   """The flags of a multi-process region: ``--<kind>_processes``,
   ``--<kind>_devices``, ``--<kind>_process_id``, ``--<kind>_coordinator``,
@@ -129,7 +125,7 @@ class _Pod:
         args.append(f"--data_plane_port={data_plane_ports[p]}")
       if incarnation == 0 and region.fault:
         args.append(f"--{kind}_fault={region.fault}")
-      self.procs.append(subprocess.Popen(args, env=env, preexec_fn=_die_with_parent))
+      self.procs.append(subprocess.Popen(args, env=env, preexec_fn=set_parent_death_signal))
     log.warning("pod incarnation %d: pids %s, coordinator %s", incarnation,
                 [p.pid for p in self.procs], coordinator)
 

@@ -73,11 +73,6 @@ class RayPlacement:
   local_object_store_bytes: int = 80 * 1024 * 1024
 
 
-def die_with_parent() -> None:
-  """In the child, before exec: SIGKILL when the actor's process dies."""
-  set_parent_death_signal(signal.SIGKILL)
-
-
 def restart_args(args: Sequence[str], pins: dict) -> list[str]:
   """A restarted server's arguments: the ports it served on (``pins``, e.g.
   ``{"--port": 5001}``) instead of 0, and no ``--faults`` plan (a fault plan is a
@@ -146,7 +141,7 @@ class ServerProcess:
         self.popen = subprocess.Popen(
             [sys.executable, *args, f"--ready_file={self.ready_file}"], stdout=log,
             stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
-            preexec_fn=die_with_parent)  # pylint: disable=subprocess-popen-preexec-fn
+            preexec_fn=set_parent_death_signal)  # pylint: disable=subprocess-popen-preexec-fn
     except OSError as e:
       self.spawn_error = e
       started.set()

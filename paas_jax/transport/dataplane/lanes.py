@@ -7,15 +7,16 @@ one transfer at a time (``checkout``/``checkin``) and replaces dead ones.
 Each ``Lane`` runs two threads for its whole life: a writer that takes the
 attached stream's next frames (a batch, ``BATCH_BYTES``) and writes their
 headers and payloads with one ``sendmsg`` over memoryviews of the encoded
-buffers (no user-space copy; on TLS, ``send`` of the same views), and a reader that matches the receiver's
-in-order replies (one ACKS per run of stored frames, NACK, RESULT, ERROR)
-to the frames outstanding. Both go through one
-``sockio.LaneSocket``, which serialises the TLS calls (OpenSSL connections
-are not thread-safe) and closes the socket only once both threads ended.
-At most ``window_bytes`` are outstanding per lane: that, not the socket buffer, bounds what a receiver
-that stops reading can make the sender hold. A lane with frames outstanding
-and no reply for ``stall_timeout_s``, or whose socket fails, dies: its
-outstanding frames go back to their stream for the other lanes.
+buffers (no user-space copy; on TLS, ``send`` of the same views), and a
+reader that matches the receiver's in-order replies (one ACKS per run of
+stored frames, NACK, RESULT, ERROR) to the frames outstanding. Both go
+through one ``sockio.LaneSocket``, which serialises the TLS calls (OpenSSL
+connections are not thread-safe) and closes the socket only once both
+threads ended. At most ``window_bytes`` are outstanding per lane: that, not
+the socket buffer, bounds what a receiver that stops reading can make the
+sender hold. A lane with frames outstanding and no reply for
+``stall_timeout_s``, or whose socket fails, dies: its outstanding frames go
+back to their stream for the other lanes.
 """
 
 from __future__ import annotations

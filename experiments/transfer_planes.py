@@ -9,6 +9,10 @@ each receiver in its own process (no shared GIL), one run measures:
   its own buffer that the receiver keeps until the whole state is in
   (``buffers.payload_buffer``, as the data plane does): what any receiver that
   hands the bytes to a decode step pays, with no protocol on top;
+* the same with crc32c: each object checked against its crc32c as it arrives,
+  with the data plane's own read (``buffers.recv_payload``): what integrity
+  costs by itself, so that the data plane's rows against it are the price of
+  its framing, acknowledgements and Begin/Commit alone;
 * bare gRPC: one Push stream of prebuilt frames into a servicer that drops
   them: the floor of any gRPC-Python transport;
 * the old gRPC path (StateSender plane="grpc", 1 and N streams);
@@ -92,11 +96,19 @@ def serve_null(conn) -> None:
   server.stop(0)
 
 
-def _serve_tcp(conn, pki_dir: str | None, keep: bool = False) -> None:
+# A raw ``keep`` payload's table: each object's size (and crc32c for ``check_crc``).
+_KEPT_ROW = struct.Struct("<Q")
+_KEPT_CRC_ROW = struct.Struct("<QI")
+
+
+def _serve_tcp(conn, pki_dir: str | None, keep: bool = False, check_crc: bool = False) -> None:
   """Length-prefixed payloads into one reused buffer, acknowledged with one byte;
   a zero-length payload is a ping (the round trip). ``keep``: each payload is
   a list of object sizes and then the objects, each read into its own buffer,
-  all kept until the last one is in."""
+  all kept until the last one is in. ``check_crc`` (with ``keep``): the list
+  gives each object's crc32c too, and each object is read and checked as the
+  data plane's receiver does (``buffers.recv_payload``: crc32c piece by piece
+  while in cache); a mismatch is answered ``x``, not ``k``."""
   from paas_jax.transport.dataplane import buffers, frames
   if keep:
     buffers.retain_freed_memory()
@@ -124,13 +136,19 @@ def _serve_tcp(conn, pki_dir: str | None, keep: bool = False) -> None:
           got += n
         (total,) = struct.unpack("<Q", header)
         if keep and total:
-          sizes = bytearray(8 * total)
-          frames.recv_exact(sock, memoryview(sizes), waitall=ctx is None)
-          kept = [buffers.payload_buffer(n) for (n,) in struct.iter_unpack("<Q", sizes)]
-          for dest in kept:
-            frames.recv_exact(sock, memoryview(dest), waitall=ctx is None)
+          row = _KEPT_CRC_ROW if check_crc else _KEPT_ROW
+          table = bytearray(row.size * total)
+          frames.recv_exact(sock, memoryview(table), waitall=ctx is None)
+          objects = list(row.iter_unpack(table))
+          kept = [buffers.payload_buffer(entry[0]) for entry in objects]
+          intact = True
+          for dest, entry in zip(kept, objects):
+            if check_crc:
+              intact &= buffers.recv_payload(sock, memoryview(dest), ctx is None) == entry[1]
+            else:
+              frames.recv_exact(sock, memoryview(dest), waitall=ctx is None)
           del kept
-          sock.sendall(b"k")
+          sock.sendall(b"k" if intact else b"x")
           continue
         got = 0
         while got < total:
@@ -225,16 +243,21 @@ def _tcp_client(port: int, ctx: ssl.SSLContext | None):
   return ctx.wrap_socket(sock, server_hostname="127.0.0.1") if ctx is not None else sock
 
 
-def _tcp_send(sock, views, keep: bool = False) -> None:
-  """``keep``: to a ``_serve_tcp(keep=True)`` receiver (object sizes first)."""
+def _tcp_send(sock, views, keep: bool = False, crcs: list[int] | None = None) -> None:
+  """``keep``: to a ``_serve_tcp(keep=True)`` receiver (object sizes first);
+  ``crcs``: each object's crc32c, for one with ``check_crc`` (as the data
+  plane's sender, the crc32c come from the encoder, not computed here)."""
   total = len(views) if keep else sum(len(v) for v in views)
   sock.sendall(struct.pack("<Q", total))
   if keep:
-    sock.sendall(b"".join(struct.pack("<Q", len(v)) for v in views))
+    sock.sendall(b"".join(_KEPT_ROW.pack(len(v)) for v in views) if crcs is None else
+                 b"".join(_KEPT_CRC_ROW.pack(len(v), c) for v, c in zip(views, crcs)))
   for v in views:
     sock.sendall(v)
-  if sock.recv(1) != b"k":
-    raise RuntimeError("TCP receiver did not acknowledge")
+  reply = sock.recv(1)
+  if reply != b"k":
+    raise RuntimeError("TCP receiver found an object's crc32c wrong" if reply == b"x"
+                       else "TCP receiver did not acknowledge")
 
 
 def _tcp_rtt(sock, repeats: int) -> float:
@@ -278,6 +301,8 @@ def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: boo
   state = random_state(config, [tokens], capacity=tokens, seed=0)
   groups = list(codec.encode_groups(state))
   views = [memoryview(b) for g in groups for b in g.blobs.values()]
+  crc_of = {c.key: c.crc32c for g in groups for _, c in g.entry.chunks()}
+  crcs = [crc_of[key] for g in groups for key in g.blobs]
   payload = sum(len(v) for v in views)
   models = {config.name: config.fingerprint()}
   fingerprint = config.fingerprint()
@@ -293,17 +318,21 @@ def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: boo
     client_ctx = dp_tls.client_context(prefill_tls) if pki_dir else None
     creds = prefill_tls.client() if pki_dir else None
     children = [Child(_serve_tcp, pki_dir), Child(_serve_receiver, models, pki_dir),
-                Child(_serve_tcp, pki_dir, True)]
-    tcp, rx, tcp_kept = children
+                Child(_serve_tcp, pki_dir, True), Child(_serve_tcp, pki_dir, True, True)]
+    tcp, rx, tcp_kept, tcp_crc = children
     closers = []
     try:
       sock = _tcp_client(tcp.port, client_ctx)
       closers.append(sock.close)
       kept_sock = _tcp_client(tcp_kept.port, client_ctx)
       closers.append(kept_sock.close)
+      crc_sock = _tcp_client(tcp_crc.port, client_ctx)
+      closers.append(crc_sock.close)
       plan = [(f"raw_tcp_{label}", lambda sock=sock: _tcp_send(sock, views), tcp),
               (f"raw_tcp_kept_{label}",
-               lambda sock=kept_sock: _tcp_send(sock, views, keep=True), tcp_kept)]
+               lambda sock=kept_sock: _tcp_send(sock, views, keep=True), tcp_kept),
+              (f"raw_tcp_kept_crc_{label}",
+               lambda sock=crc_sock: _tcp_send(sock, views, keep=True, crcs=crcs), tcp_crc)]
       if label == "plain":
         out["raw_tcp_rtt_s"] = _tcp_rtt(sock, fixed_repeats * 3)
         null = Child(serve_null)
@@ -344,9 +373,11 @@ def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: boo
         child.stop()
   base = {lbl: rows[f"raw_tcp_{lbl}"]["goodput_gbps"] for lbl, _ in settings}
   kept = {lbl: rows[f"raw_tcp_kept_{lbl}"]["goodput_gbps"] for lbl, _ in settings}
+  checked = {lbl: rows[f"raw_tcp_kept_crc_{lbl}"]["goodput_gbps"] for lbl, _ in settings}
   for name, row in rows.items():
     row["vs_raw_tcp"] = row["goodput_gbps"] / base[name.rsplit("_", 1)[1]]
     row["vs_raw_tcp_kept"] = row["goodput_gbps"] / kept[name.rsplit("_", 1)[1]]
+    row["vs_raw_tcp_kept_crc"] = row["goodput_gbps"] / checked[name.rsplit("_", 1)[1]]
   old = max(rows[f"grpc_{n}_plain"]["goodput_gbps"] for n in {1, streams})
   new = max(rows[f"tcp_{n}_plain"]["goodput_gbps"] for n in {1, lanes})
   out["tcp_vs_grpc_path"] = new / old

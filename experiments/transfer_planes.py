@@ -58,6 +58,7 @@ def _cpu_loop(conn) -> None:
 
 def _serve_receiver(conn, models: dict, pki_dir: str | None) -> None:
   from paas_jax.security.tls import TLSConfig
+  from paas_jax.serving import common
   from paas_jax.transport import ReceiverOptions, StateReceiver, serve_receiver
   from paas_jax.transport.dataplane import tls as dp_tls
 
@@ -72,6 +73,7 @@ def _serve_receiver(conn, models: dict, pki_dir: str | None) -> None:
     kw = dict(credentials=tls.server(), data_ssl=dp_tls.server_context(tls),
               data_peers=["prefill*"])
   server = serve_receiver(receiver, "127.0.0.1:0", max_workers=64, data_plane=True, **kw)
+  common.freeze_startup_heap()  # as a decode server does once it is up
   conn.send(server.port)
   _cpu_loop(conn)
   server.stop(0)
@@ -230,6 +232,7 @@ def _measure_interleaved(rows: list, repeats: int, payload: int) -> dict:
   for name in times:
     t = statistics.median(times[name])
     out[name] = {"goodput_gbps": payload / t / 1e9, "median_s": t, "runs_s": times[name],
+                 "mean_s": statistics.mean(times[name]), "max_s": max(times[name]),
                  "cpu_s_per_gb_sender": cpu[name][0] / gb,
                  "cpu_s_per_gb_receiver": cpu[name][2] / gb,
                  "page_faults_per_gb_sender": cpu[name][1] / gb,
@@ -295,6 +298,7 @@ def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: boo
   from paas_jax.codec.testing import random_state
   from paas_jax.security import ca as ca_lib
   from paas_jax.security.tls import TLSConfig
+  from paas_jax.serving import common
   from paas_jax.transport import SenderOptions, StateSender
   from paas_jax.transport.dataplane import tls as dp_tls
 
@@ -351,6 +355,7 @@ def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: boo
         closers.append(sender.close)
         senders[(plane, n)] = sender
         plan.append((f"{plane}_{n}_{label}", lambda sender=sender: send(sender), rx))
+      common.freeze_startup_heap()  # as a prefill server does once it is up
       rows.update(_measure_interleaved(plan, repeats, payload))
       progress(f"{label} rows done")
       grpc_control = StateSender(target, options=SenderOptions(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -270,6 +271,25 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
   tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
   tmp.write_text(text)
   os.replace(tmp, p)
+
+
+def freeze_startup_heap() -> int:
+  """Collects, then moves every object alive now (modules, the model, the
+  servers) out of the garbage collector's generations (``gc.freeze``);
+  returns how many objects were frozen. A server process calls it once it
+  is up, before it says it is ready.
+
+  Why: a full (generation 2) collection walks every tracked object. With
+  jax and a model loaded that is ~170k objects and ~95 ms with the GIL held;
+  moving 100 MB states, a data-plane receiver and sender each ran one every
+  20-40 transfers, which stalled the transfer in flight (slowest of 40
+  transfers 142-155 ms against a median of 35-38) and cost the receiver ~10%
+  of its CPU on average (bench_transfer, interleaved A/B). Objects made later
+  are still collected; frozen ones stay alive, as startup objects do anyway.
+  """
+  gc.collect()
+  gc.freeze()
+  return gc.get_freeze_count()
 
 
 def write_ready_file(path: str | None, info: dict) -> None:

@@ -50,6 +50,7 @@ def main(argv):
                                             fair=FLAGS.tenant_sharing == "wfq",
                                             default_quota=FLAGS.tenant_quota))
   common.write_ready_file(FLAGS.ready_file, {
+      "gc_frozen_objects": common.freeze_startup_heap(),
       "pid": os.getpid(), "port": server.control.port, "model": model.config.name,
       "transfer_port": server.transfer.port,
       "metrics_port": metrics_port,

@@ -56,6 +56,12 @@ def test_all_servers_healthy(cluster):
     assert r.status == health_pb2.HealthCheckResponse.SERVING, name
 
 
+def test_servers_froze_their_startup_heap(cluster):
+  # common.freeze_startup_heap: no full collection walks the model and jax again.
+  for name in ("prefill", "decode", "broker"):
+    assert cluster.procs[name].info["gc_frozen_objects"] > 10_000, name
+
+
 CASES = [
     # (length, route, temperature, top_k, top_p, seed, expected route)
     (SHORT, "auto", 0.0, 0, 1.0, 0, "pdp"),

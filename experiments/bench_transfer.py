@@ -441,7 +441,8 @@ def main(argv):
     for name, r in results["models"].items():
       print(name, r["payload_bytes"], "bytes")
       for row, v in r["rows"].items():
-        print(f"  {row:22s} {v['goodput_gbps']:6.2f} GB/s  x{v['vs_raw_tcp']:.2f} raw  "
+        print(f"  {row:22s} {v['goodput_gbps']:6.2f} GB/s  (mean {v['mean_s'] * 1e3:.1f} ms, "
+              f"slowest {v['max_s'] * 1e3:.1f})  x{v['vs_raw_tcp']:.2f} raw  "
               f"x{v['vs_raw_tcp_kept']:.2f} raw kept  x{v['vs_raw_tcp_kept_crc']:.2f} +crc  "
               f"cpu s/GB tx {v['cpu_s_per_gb_sender']:.3f} rx {v['cpu_s_per_gb_receiver']:.3f}  "
               f"faults/GB tx {v['page_faults_per_gb_sender']:.0f} "

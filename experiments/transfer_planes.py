@@ -380,9 +380,10 @@ def run(config, tokens: int, *, lanes: int, streams: int, repeats: int, tls: boo
   kept = {lbl: rows[f"raw_tcp_kept_{lbl}"]["goodput_gbps"] for lbl, _ in settings}
   checked = {lbl: rows[f"raw_tcp_kept_crc_{lbl}"]["goodput_gbps"] for lbl, _ in settings}
   for name, row in rows.items():
-    row["vs_raw_tcp"] = row["goodput_gbps"] / base[name.rsplit("_", 1)[1]]
-    row["vs_raw_tcp_kept"] = row["goodput_gbps"] / kept[name.rsplit("_", 1)[1]]
-    row["vs_raw_tcp_kept_crc"] = row["goodput_gbps"] / checked[name.rsplit("_", 1)[1]]
+    label = name.rsplit("_", 1)[1]
+    row["vs_raw_tcp"] = row["goodput_gbps"] / base[label]
+    row["vs_raw_tcp_kept"] = row["goodput_gbps"] / kept[label]
+    row["vs_raw_tcp_kept_crc"] = row["goodput_gbps"] / checked[label]
   old = max(rows[f"grpc_{n}_plain"]["goodput_gbps"] for n in {1, streams})
   new = max(rows[f"tcp_{n}_plain"]["goodput_gbps"] for n in {1, lanes})
   out["tcp_vs_grpc_path"] = new / old

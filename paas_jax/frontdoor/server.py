@@ -89,9 +89,8 @@ async def serve() -> None:
                      ssl_context=None if tls.insecure else ssl_context(tls.cert, tls.key))
   await site.start()
   port = runner.addresses[0][1]
-  common.write_ready_file(FLAGS.ready_file, {
-      "gc_frozen_objects": common.freeze_startup_heap(), "pid": os.getpid(), "port": port,
-      "model": info.name, "tls": not tls.insecure})
+  common.announce_ready(FLAGS.ready_file, {"pid": os.getpid(), "port": port,
+                                           "model": info.name, "tls": not tls.insecure})
   log.info("OpenAI API on %s://%s:%d for model %r (broker %s, chat template: %s)",
            "http" if tls.insecure else "https", FLAGS.host, port, info.name, FLAGS.broker,
            gateway.template.name)

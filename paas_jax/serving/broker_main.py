@@ -89,9 +89,8 @@ def main(argv):
                                      rebalance_every_s=FLAGS.rebalance_every_s,
                                      n_slots=FLAGS.n_slots,
                                      apply_threshold=FLAGS.rebalance_apply)
-  common.write_ready_file(FLAGS.ready_file, {
-      "gc_frozen_objects": common.freeze_startup_heap(), "pid": os.getpid(),
-      "port": server.control.port, "metrics_port": metrics_port})
+  common.announce_ready(FLAGS.ready_file, {"pid": os.getpid(), "port": server.control.port,
+                                           "metrics_port": metrics_port})
   log.info("broker on %s: prefill %s, decode %s (roles %s), router %s, threshold %s",
            server.address, FLAGS.prefill, targets, list(roles), FLAGS.router, threshold)
   common.wait_for_termination(server.stop)

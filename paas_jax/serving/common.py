@@ -298,6 +298,12 @@ def write_ready_file(path: str | None, info: dict) -> None:
     write_text_atomic(path, json.dumps(info))
 
 
+def announce_ready(path: str | None, info: dict) -> None:
+  """A server process is up: freezes its startup heap (``freeze_startup_heap``),
+  then writes ``info`` plus ``gc_frozen_objects`` as its ready file."""
+  write_ready_file(path, {"gc_frozen_objects": freeze_startup_heap(), **info})
+
+
 def wait_for_termination(on_stop: Callable[[], None]) -> None:
   """Blocks until SIGTERM/SIGINT, then runs ``on_stop``."""
   stop = threading.Event()

@@ -42,8 +42,7 @@ def main(argv):
                  data_plane=FLAGS.transfer_plane == "tcp",
                  data_plane_host=FLAGS.data_plane_host or None,
                  first_token_early=FLAGS.first_token_early)
-  common.write_ready_file(FLAGS.ready_file, {
-      "gc_frozen_objects": common.freeze_startup_heap(),
+  common.announce_ready(FLAGS.ready_file, {
       "pid": os.getpid(), "port": server.control.port,
       "transfer_port": server.transfer.port, "model": model.config.name,
       "data_plane_port": (server.transfer.data_plane.port

@@ -297,8 +297,7 @@ def process_main() -> None:
                             credentials=credentials,
                             interceptors=server_interceptors(security, metrics))
   control.set_serving([SERVICE])
-  common.write_ready_file(FLAGS.ready_file, {
-      "gc_frozen_objects": common.freeze_startup_heap(),
+  common.announce_ready(FLAGS.ready_file, {
       "pid": os.getpid(), "port": control.port, "transfer_port": transfer.port,
       "metrics_port": metrics_port, "model": model.config.name, "warmup_s": warm_s,
       "pod": region.to_dict(), "startup_s": time.time() - t0})

@@ -49,8 +49,7 @@ def main(argv):
                  tenants=TenantPolicy.parse(FLAGS.tenant_weights, FLAGS.tenant_quotas,
                                             fair=FLAGS.tenant_sharing == "wfq",
                                             default_quota=FLAGS.tenant_quota))
-  common.write_ready_file(FLAGS.ready_file, {
-      "gc_frozen_objects": common.freeze_startup_heap(),
+  common.announce_ready(FLAGS.ready_file, {
       "pid": os.getpid(), "port": server.control.port, "model": model.config.name,
       "transfer_port": server.transfer.port,
       "metrics_port": metrics_port,

@@ -330,8 +330,7 @@ def process_main() -> None:
       credentials=credentials, services=[SERVICE], max_workers=2 * FLAGS.max_queue + 32,
       interceptors=server_interceptors(security, metrics))
   control.set_serving([SERVICE])
-  common.write_ready_file(FLAGS.ready_file, {
-      "gc_frozen_objects": common.freeze_startup_heap(),
+  common.announce_ready(FLAGS.ready_file, {
       "pid": os.getpid(), "port": control.port, "transfer_port": transfer.port,
       "data_plane_port": data_plane_port, "slice_data_plane_ports": data_plane_ports,
       "slice_data_plane_hosts": data_plane_hosts,

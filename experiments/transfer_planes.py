@@ -409,6 +409,7 @@ def run_fixed_cost(config, *, lanes: int, repeats: int, tls: bool = False, token
   the other rows only, so the same command compares old and new."""
   from paas_jax.security import ca as ca_lib
   from paas_jax.security.tls import TLSConfig
+  from paas_jax.serving import common
   from paas_jax.transport import SenderOptions, StateSender
   from paas_jax.transport.dataplane import tls as dp_tls
   models = {config.name: config.fingerprint()}
@@ -445,6 +446,7 @@ def run_fixed_cost(config, *, lanes: int, repeats: int, tls: bool = False, token
             data_ssl=client_ctx, plane_control=control, **extra))
         closers.append(sender.close)
         senders[name] = sender
+      common.freeze_startup_heap()  # as in run(): a prefill server's heap once it is up
       out["fixed_cost"][label] = _fixed_costs(senders, config, repeats, tokens)
       progress(f"{label} fixed cost done")
     finally:

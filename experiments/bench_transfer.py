@@ -63,7 +63,9 @@ flags.DEFINE_bool("fixed_cost", False, "Only the fixed cost per transfer (Begin 
                   "--tls.")
 flags.DEFINE_integer("bundle_bytes", -1, "SenderOptions.bundle_bytes of the data-plane rows "
                      "(--fixed_cost; -1: the library default; ignored by a tree without it).")
-flags.DEFINE_integer("lanes", 4, "Data-plane connections of the N-connection rows.")
+flags.DEFINE_integer("lanes", 4, "Data-plane connections of the N-connection rows; 0 (--wan "
+                     "with --wan_rate_gbit): as many as the link needs, as "
+                     "SenderOptions(lanes=0) picks them.", lower_bound=0)
 flags.DEFINE_bool("tls", True, "Also measure the TLS rows (--planes).")
 flags.DEFINE_bool("wan", False, "Only the emulated-WAN runs (experiments/wan_planes.py): the "
                   "relay's own ceiling, then data-plane utilization with 1 and --lanes "
@@ -364,8 +366,24 @@ def bench_model(name: str, n_tokens: int, progress) -> dict:
   return out
 
 
+def _auto_lanes() -> int:
+  """--lanes=0 with --wan: the connections ``SenderOptions(lanes=0)`` picks
+  for the emulated link and --wan_window_kib."""
+  from paas_jax.transport import SenderOptions
+  from paas_jax.transport.dataplane.tuning import Tuning
+  if FLAGS.wan_rate_gbit <= 0:
+    raise app.UsageError("--lanes=0 needs --wan_rate_gbit (the link it is sized for)")
+  link = Tuning(rate_bytes_per_s=FLAGS.wan_rate_gbit * 1e9 / 8, rtt_s=FLAGS.wan_rtt_ms / 1e3)
+  lanes = SenderOptions(plane="tcp", lanes=0, window_bytes=FLAGS.wan_window_kib << 10,
+                        tuning=link).lanes
+  print(f"--lanes=0: {lanes} connections for this link", flush=True)
+  return lanes
+
+
 def main(argv):
   del argv
+  if FLAGS.lanes == 0 and not FLAGS.wan:
+    raise app.UsageError("--lanes=0 (from the link) is for --wan runs")
   from tqdm import tqdm
   models = FLAGS.models
   tokens = [int(t) for t in FLAGS.tokens]
@@ -382,12 +400,13 @@ def main(argv):
   if FLAGS.wan:
     from experiments import wan_planes
     from paas_jax.models import load_config
-    ceiling = wan_planes.relay_ceiling(connections=FLAGS.lanes)
+    n_lanes = FLAGS.lanes or _auto_lanes()
+    ceiling = wan_planes.relay_ceiling(connections=n_lanes)
     best = max(ceiling["by_path"][FLAGS.wan_engine].values())
     rate_bps = FLAGS.wan_rate_gbit * 1e9 if FLAGS.wan_rate_gbit > 0 else best * 8e9 / 2
     results["flags"].update(wan=True, wan_rtt_ms=FLAGS.wan_rtt_ms, wan_rate_bps=rate_bps,
-                            lanes=FLAGS.lanes, wan_engine=FLAGS.wan_engine,
-                            wan_window_kib=FLAGS.wan_window_kib)
+                            lanes=n_lanes, lanes_from_link=not FLAGS.lanes,
+                            wan_engine=FLAGS.wan_engine, wan_window_kib=FLAGS.wan_window_kib)
     results["relay_ceiling"] = ceiling
     for path, by_n in ceiling["by_path"].items():
       print(f"raw TCP {path:>8} (GB/s by connections): "
@@ -395,7 +414,7 @@ def main(argv):
                         for n, v in by_n.items()), flush=True)
     for name, n in zip(models, tokens):
       r = wan_planes.wan_utilization(load_config(name), n, rate_bps, FLAGS.wan_rtt_ms / 1e3,
-                                     lanes=sorted({1, FLAGS.lanes}), repeats=FLAGS.repeats,
+                                     lanes=sorted({1, n_lanes}), repeats=FLAGS.repeats,
                                      window_bytes=FLAGS.wan_window_kib << 10,
                                      engine=FLAGS.wan_engine)
       results["models"][name] = r
@@ -404,7 +423,7 @@ def main(argv):
               f"{lanes} connection(s): goodput {v['goodput_bytes_per_s'] / 1e6:.0f} MB/s, "
               f"utilization {100 * v['utilization']:.0f}%, retransmits {v['retransmits']}")
       fixed = r["fixed_cost"] = wan_planes.wan_fixed_cost(
-          load_config(name), rate_bps, FLAGS.wan_rtt_ms / 1e3, lanes=FLAGS.lanes,
+          load_config(name), rate_bps, FLAGS.wan_rtt_ms / 1e3, lanes=n_lanes,
           repeats=max(FLAGS.repeats, 10), engine=FLAGS.wan_engine)
       print(f"{name}: fixed cost of a {fixed['tokens']}-token state over the link: "
             f"{fixed['median_s'] * 1e3:.1f} ms = {fixed['round_trips']:.2f} raw TCP round "

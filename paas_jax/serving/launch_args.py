@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from paas_jax.netem.link import LinkSpec
-from paas_jax.serving import pd_roles
+from paas_jax.serving import pd_roles, transfer_flags
 
 
 def link_bps(link: LinkSpec | None) -> float:
@@ -20,6 +20,16 @@ def link_bps(link: LinkSpec | None) -> float:
   if link is None or not 0 < link.bandwidth_bps < float("inf"):
     return 10e9
   return float(link.bandwidth_bps)
+
+
+def widest_link(spec) -> LinkSpec | None:
+  """Of the emulated links from region A (``spec.link``, ``spec.region_links``),
+  the one with the largest bandwidth-delay product: region A's socket buffers
+  must fit the longest pipe (more than a shorter one needs costs nothing but
+  memory). None without a shaped link."""
+  links = [link for link in (spec.link, *spec.region_links)
+           if link is not None and 0 < link.bandwidth_bps < float("inf")]
+  return max(links, key=lambda link: link.bandwidth_bps * link.rtt_s, default=None)
 
 
 def server_args(spec, host: str) -> list[str]:
@@ -54,6 +64,9 @@ def prefill_args(spec, host: str) -> list[str]:
           # Imports PD-P's prefixes (cross-cluster prefix cache); explicit so
           # that a restart keeps the port the relay forwards to.
           "--transfer_port=0"]
+  widest = widest_link(spec)
+  if widest is not None:  # the data plane sized for the emulated path
+    args += transfer_flags.link_args(widest.bandwidth_bps, widest.rtt_s)
   if spec.decode_regions > 1:  # a shared pool: how the tenants share it
     args += [f"--tenant_sharing={spec.tenant_sharing}",
              f"--tenant_weights={spec.tenant_weights}",

@@ -44,7 +44,7 @@ from paas_jax.scheduling.tenant_queue import DEFAULT_TENANT, TenantPolicy
 from paas_jax.security import cli as security_cli
 from paas_jax.security.hooks import server_interceptors
 from paas_jax.serving import child_process, common, control_plane, handoff_probe, logprobs
-from paas_jax.serving import pod, pod_prefill, pod_supervisor, prefill_server_main
+from paas_jax.serving import pod, pod_prefill, pod_supervisor, prefill_server_main, transfer_flags
 from paas_jax.serving.prefill_rpc import TENANT_NAME
 from paas_jax.serving.validation import (InvalidRequestError, RequestParams,
                                          check_request_identity, make_sampling,
@@ -223,8 +223,7 @@ class PodPrefillServicer(serving_pb2_grpc.PrefillServicer):
 
 
 def _sender_options(security) -> SenderOptions:
-  opts = SenderOptions(num_streams=FLAGS.transfer_streams, plane=FLAGS.transfer_plane,
-                       lanes=FLAGS.transfer_lanes)
+  opts = transfer_flags.sender_options()
   if security is None or security.insecure:
     return opts
   fields = {"credentials": security.channel_credentials()}

@@ -15,10 +15,9 @@ from absl import app, flags
 from paas_jax.codec import CodecOptions
 from paas_jax.scheduling.tenant_queue import TenantPolicy
 from paas_jax.security.faults import FaultPlan
-from paas_jax.serving import cli, common
+from paas_jax.serving import cli, common, transfer_flags
 from paas_jax.serving.engine_config import EngineConfig
 from paas_jax.serving.prefill_server import start
-from paas_jax.transport import SenderOptions
 
 log = logging.getLogger("paas_jax.serving.prefill")
 FLAGS = flags.FLAGS
@@ -39,9 +38,7 @@ def main(argv):
   server = start(model, engine_config, host=FLAGS.host, port=FLAGS.port,
                  batch_window_s=FLAGS.batch_window_ms / 1e3,
                  codec=CodecOptions(compression=FLAGS.codec_compression),
-                 sender_options=SenderOptions(num_streams=FLAGS.transfer_streams,
-                                              plane=FLAGS.transfer_plane,
-                                              lanes=FLAGS.transfer_lanes),
+                 sender_options=transfer_flags.sender_options(),
                  security=security, metrics=metrics,
                  faults=faults if faults.active else None, max_queue=FLAGS.max_queue,
                  transfer_port=FLAGS.transfer_port, stream_chunks=FLAGS.stream_chunks,
@@ -63,12 +60,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_queue", 64, "Prompts allowed to wait for a prefill batch.")
   flags.DEFINE_enum("codec_compression", "raw", ["raw", "zstd", "blosc"],
                     "State codec compression on the link.")
-  flags.DEFINE_integer("transfer_streams", 2, "Parallel Push streams per transfer.")
-  flags.DEFINE_enum("transfer_plane", "tcp", ["tcp", "grpc"], "What carries state bytes to "
-                    "decode servers: tcp (the data plane, when the receiver announces one) or "
-                    "grpc (Push streams). Begin/Commit/Abort stay on gRPC either way.")
-  flags.DEFINE_integer("transfer_lanes", 2, "Data-plane connections per transfer "
-                       "(transfer_plane=tcp).")
+  transfer_flags.define_flags()
   flags.DEFINE_integer("transfer_port", 0, "StateTransfer port for prefixes shipped from PD "
                        "nodes (cross-cluster prefix cache; 0: pick a free one).")
   flags.DEFINE_bool("stream_chunks", True, "Stream every prefill chunk as a segment as soon "

@@ -12,7 +12,7 @@ from paas_jax.codec.manifest import StateManifest
 from paas_jax.proto import transport_pb2_grpc
 from paas_jax.transport import channels
 from paas_jax.transport.counters import LinkCounters
-from paas_jax.transport.dataplane.tuning import Tuning
+from paas_jax.transport.dataplane.tuning import Tuning, lanes_for, send_buffer_reach
 from paas_jax.transport.timeline import TransferTimeline
 
 PLANES = ("grpc", "tcp")
@@ -42,7 +42,9 @@ class SenderOptions:
       long-lived TCP connections per receiver, zero-copy frames). Control
       (Begin, Commit, Abort) stays on gRPC either way. A receiver that
       announces no data-plane port gets the gRPC path.
-    lanes: data-plane connections a transfer stripes over.
+    lanes: data-plane connections a transfer stripes over; 0: as many as
+      ``tuning``'s link needs (``dataplane.tuning.lanes_for``: 1.5x its
+      bandwidth-delay product over one connection's window), resolved here.
     window_bytes: unacknowledged bytes per data-plane connection.
     data_ssl: client ``ssl.SSLContext`` of the data plane
       (``dataplane.tls.client_context``); required with ``credentials``.
@@ -80,8 +82,13 @@ class SenderOptions:
   def __post_init__(self):
     if self.plane not in PLANES:
       raise ValueError(f"SenderOptions.plane must be one of {PLANES}, not {self.plane!r}")
-    if self.lanes < 1 or self.window_bytes < 1:
-      raise ValueError("SenderOptions: lanes and window_bytes must be >= 1")
+    if self.lanes < 0 or self.window_bytes < 1:
+      raise ValueError("SenderOptions: lanes must be >= 0 (0: from the link) and "
+                       "window_bytes >= 1")
+    if self.lanes == 0:
+      # Frozen: resolved once, so every reader of ``lanes`` sees a count.
+      object.__setattr__(self, "lanes", lanes_for(self.tuning, self.window_bytes,
+                                                  send_buffer_reach(self.tuning)))
     if self.plane == "tcp" and self.credentials is not None and self.data_ssl is None:
       raise ValueError("SenderOptions: TLS on gRPC needs data_ssl for the tcp data plane "
                        "(plaintext data planes exist only for --insecure deployments)")

@@ -84,3 +84,49 @@ def test_apply_on_a_real_socket_follows_the_plan(monkeypatch):
   with socket.socket() as sock:
     tuning_lib.apply(sock, tuning)
     assert _is_locked(sock, default)
+
+
+# -- how many connections a link needs (tuning.lanes_for, SenderOptions(lanes=0)) ----
+
+
+def test_lanes_for_is_one_and_a_half_bdp_over_one_connections_window():
+  wan = Tuning(rate_bytes_per_s=5e8, rtt_s=0.03)  # 4 Gbit/s, 30 ms: 15 MB in flight
+  assert tuning_lib.lanes_for(wan, 4 * MiB) == 6  # ceil(22.5 MB / 4 MiB)
+  assert tuning_lib.lanes_for(Tuning(rate_bytes_per_s=1.25e9, rtt_s=0.03), 4 * MiB) == 14
+  # The send buffer bounds a connection too: 16 MiB windows, 8 MiB buffers.
+  assert tuning_lib.lanes_for(wan, 16 * MiB, send_reach=8 * MiB) == 3
+  assert tuning_lib.lanes_for(wan, 16 * MiB) == 2
+  # A LAN (the default Tuning: 10 Gbit/s, 1 ms) needs one; a huge BDP is capped.
+  assert tuning_lib.lanes_for(Tuning(), 16 * MiB) == 1
+  assert tuning_lib.lanes_for(Tuning(rate_bytes_per_s=1e11, rtt_s=0.1), MiB) == 32
+  assert tuning_lib.lanes_for(Tuning(rate_bytes_per_s=1e11, rtt_s=0.1), MiB, max_lanes=5) == 5
+  with pytest.raises(ValueError):
+    tuning_lib.lanes_for(wan, 0)
+
+
+def test_send_buffer_reach_follows_the_buffer_plan(monkeypatch):
+  limits = {"w": (STOCK_WMEM, STOCK_MAX)}
+  monkeypatch.setattr(tuning_lib, "kernel_limits", lambda d: limits[d])
+  # 2.5 MB set explicitly (more than autotuning's 4 MiB once doubled): 5 MB.
+  assert tuning_lib.send_buffer_reach(Tuning()) == 2 * Tuning().buffer_bytes
+  # A 60 MB wish: setsockopt is capped at 2 x wmem_max.
+  assert tuning_lib.send_buffer_reach(Tuning(rate_bytes_per_s=5e8, rtt_s=0.03)) == 8 * MiB
+  # Autotuning kept (it reaches the size): its ceiling.
+  limits["w"] = (64 * MiB, STOCK_MAX)
+  assert tuning_lib.send_buffer_reach(Tuning()) == 64 * MiB
+  limits["w"] = (None, None)
+  assert tuning_lib.send_buffer_reach(Tuning()) is None
+
+
+def test_sender_options_resolve_zero_lanes_from_their_link(monkeypatch):
+  from paas_jax.transport import SenderOptions
+  monkeypatch.setattr(tuning_lib, "kernel_limits", lambda d: (STOCK_WMEM, STOCK_MAX))
+  wan = Tuning(rate_bytes_per_s=5e8, rtt_s=0.03)
+  opts = SenderOptions(plane="tcp", lanes=0, window_bytes=4 * MiB, tuning=wan)
+  assert opts.lanes == 6
+  # 16 MiB windows, but the send buffer holds 8 MiB: 3 connections.
+  assert SenderOptions(plane="tcp", lanes=0, tuning=wan).lanes == 3
+  assert SenderOptions(plane="tcp", lanes=0).lanes == 1  # the default Tuning: a LAN
+  assert SenderOptions(plane="tcp", lanes=3, tuning=wan).lanes == 3  # explicit stays
+  with pytest.raises(ValueError, match="lanes"):
+    SenderOptions(plane="tcp", lanes=-1)

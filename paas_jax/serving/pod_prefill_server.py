@@ -259,8 +259,9 @@ def process_main() -> None:
   mesh = pod.region_mesh()
   model = pod.shard_model(model, mesh)
   codec = CodecOptions(compression=FLAGS.codec_compression)
+  sender_options = _sender_options(security)
   runner = pod_prefill.PodPrefillRunner(
-      model, mesh, region, sender_options=_sender_options(security), codec=codec,
+      model, mesh, region, sender_options=sender_options, codec=codec,
       logit_probe=FLAGS.logit_probe, fault=_fault_plan())
   # A prompt just under each --prefill_buckets size compiles that bucket's programs.
   warm_s = runner.warmup(sorted({max(1, min(int(b), FLAGS.max_ctx or int(b)) - 1)
@@ -299,6 +300,7 @@ def process_main() -> None:
   common.announce_ready(FLAGS.ready_file, {
       "pid": os.getpid(), "port": control.port, "transfer_port": transfer.port,
       "metrics_port": metrics_port, "model": model.config.name, "warmup_s": warm_s,
+      **transfer_flags.announced(sender_options),
       "pod": region.to_dict(), "startup_s": time.time() - t0})
   log.info("prefill pod process 0 on %s:%d (P=%d, TP=%d)", FLAGS.host, control.port,
            region.num_processes, region.tp)

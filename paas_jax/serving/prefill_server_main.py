@@ -35,10 +35,11 @@ def main(argv):
       prefill_buckets=tuple(int(b) for b in FLAGS.prefill_buckets),
       prefill_max_batch=FLAGS.prefill_max_batch, prefix_block=FLAGS.prefix_block,
       prefix_cache_bytes=FLAGS.prefix_cache_mb << 20)
+  sender_options = transfer_flags.sender_options()
   server = start(model, engine_config, host=FLAGS.host, port=FLAGS.port,
                  batch_window_s=FLAGS.batch_window_ms / 1e3,
                  codec=CodecOptions(compression=FLAGS.codec_compression),
-                 sender_options=transfer_flags.sender_options(),
+                 sender_options=sender_options,
                  security=security, metrics=metrics,
                  faults=faults if faults.active else None, max_queue=FLAGS.max_queue,
                  transfer_port=FLAGS.transfer_port, stream_chunks=FLAGS.stream_chunks,
@@ -49,7 +50,7 @@ def main(argv):
   common.announce_ready(FLAGS.ready_file, {
       "pid": os.getpid(), "port": server.control.port, "model": model.config.name,
       "transfer_port": server.transfer.port,
-      "metrics_port": metrics_port,
+      "metrics_port": metrics_port, **transfer_flags.announced(sender_options),
       "startup_s": time.time() - t0})
   log.info("prefill server on %s, model %s", server.address, model.config.name)
   common.wait_for_termination(lambda: server.preempt_and_stop(FLAGS.preempt_grace_s))

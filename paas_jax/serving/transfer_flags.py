@@ -54,6 +54,16 @@ def sender_options(flag_values: flags.FlagValues = flags.FLAGS) -> SenderOptions
                        tuning=link)
 
 
+def announced(opts: SenderOptions) -> dict:
+  """What a server's ready file says of its transfers: the data plane's lanes
+  as resolved (``--transfer_lanes=0``: from the link) and the link they are
+  sized for."""
+  return {"transfer_plane": opts.plane, "transfer_lanes": opts.lanes,
+          "transfer_window_bytes": opts.window_bytes,
+          "transfer_link_bytes_per_s": opts.tuning.rate_bytes_per_s,
+          "transfer_rtt_s": opts.tuning.rtt_s}
+
+
 def link_args(bandwidth_bps: float, rtt_s: float) -> list[str]:
   """The link flags for a path of ``bandwidth_bps`` and ``rtt_s``."""
   return [f"--transfer_link_gbit={bandwidth_bps / 1e9:g}", f"--transfer_rtt_ms={rtt_s * 1e3:g}"]

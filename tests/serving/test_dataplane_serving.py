@@ -1,7 +1,8 @@
 """Serving over the TCP data plane (ClusterSpec.transfer_plane="tcp"):
 token-exact generations on both routes of the real two-region cluster, with the
 state bytes of the PrfaaS route crossing the WAN relay on the data-plane route
-rather than in gRPC Push streams."""
+rather than in gRPC Push streams; region A sized for its link (the link flags
+LocalCluster passes, and lanes from the link: transfer_lanes=0)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,16 @@ import pytest
 from paas_jax.client import BrokerClient
 from paas_jax.netem import LinkSpec
 from paas_jax.serving.launch import ClusterSpec, LocalCluster
+from paas_jax.transport import SenderOptions
+from paas_jax.transport.dataplane.tuning import Tuning
 from tests.serving import conftest as base
 from tests.serving.conftest import LONG, SHORT
 
-# Its own two-region cluster (the shared one runs the gRPC path): slow.
+# Its own two-region cluster, on a longer and faster link than the shared one's,
+# with lanes from the link: slow.
 pytestmark = pytest.mark.slow
+# 3 Gbit/s x 40 ms: a 15 MB bandwidth-delay product, enough for more than one lane.
+LINK = LinkSpec(bandwidth_bps=3e9, rtt_s=0.04, jitter_s=0.001)
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +32,7 @@ def cluster(tmp_path_factory):
                      max_queue=base.MAX_QUEUE, max_ctx=base.MAX_CTX, prefill_buckets=(128,),
                      prefill_max_batch=4, threshold=base.THRESHOLD,
                      prefix_block=base.PREFIX_BLOCK, transfer_plane="tcp",
-                     startup_timeout_s=1500.0,
-                     link=LinkSpec(bandwidth_bps=200e6, rtt_s=0.01, jitter_s=0.001))
+                     transfer_lanes=0, startup_timeout_s=1500.0, link=LINK)
   c = LocalCluster(spec, tmp_path_factory.mktemp("tcp_cluster"))
   c.start()
   yield c
@@ -72,3 +77,24 @@ def test_both_routes_token_exact_over_the_data_plane(cluster, client, reference)
   pdp = client.generate(prompt_ids=list(_prompt(SHORT, 2)), max_new_tokens=8, route="local")
   assert pdp.route == "pdp"
   assert pdp.tokens == reference(_prompt(SHORT, 2), 8)
+
+
+def test_region_a_opens_the_lanes_its_link_needs(cluster, client, reference):
+  # SenderOptions(lanes=0) for this link on this host (its kernel's send-buffer
+  # limits count): 3 on a stock kernel, where the default (2 lanes) or a link flag
+  # lost on the way to the prefill server would open another number.
+  expected = SenderOptions(plane="tcp", lanes=0, tuning=Tuning(
+      rate_bytes_per_s=LINK.bandwidth_bps / 8, rtt_s=LINK.rtt_s)).lanes
+  assert expected > 1
+  info = cluster.procs["prefill"].info  # its ready file
+  assert info["transfer_lanes"] == expected
+  assert (info["transfer_link_bytes_per_s"], info["transfer_rtt_s"]) == (
+      LINK.bandwidth_bps / 8, LINK.rtt_s)
+  prompt = _prompt(LONG, 3)
+  done = client.generate(prompt_ids=list(prompt), max_new_tokens=4, route="remote")
+  assert done.route == "prfaas" and done.tokens == reference(prompt, 4)
+  # Across the relay: that many connections per transfer in flight at once
+  # (chunk segments overlap), each set from the lane pool.
+  stats = _relay_stats(cluster, "dataplane0", 1)
+  opened = stats.get("connections", {}).get("dataplane0", 0)
+  assert opened >= expected and opened % expected == 0, stats.get("connections")

@@ -24,7 +24,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        "(transfer_plane=grpc).", flag_values=fv)
   flags.DEFINE_enum("transfer_plane", "tcp", ["tcp", "grpc"], "What carries state bytes to "
                     "decode servers: tcp (the data plane, when the receiver announces one) or "
-                    "grpc (Push streams). Begin/Commit/Abort stay on gRPC either way.",
+                    "grpc (Push streams). On tcp, Begin and Commit ride the data plane once the "
+                    "decode server announces it takes them; Abort stays on gRPC.",
                     flag_values=fv)
   flags.DEFINE_integer("transfer_lanes", 2, "Data-plane connections per transfer "
                        "(transfer_plane=tcp); 0: as many as the link needs (1.5x its "

@@ -39,8 +39,8 @@ class SenderOptions:
     credentials: channel credentials (mTLS); None for plaintext.
     plane: what carries the chunk bytes: "grpc" (Push streams, the old path)
       or "tcp" (the data plane, ``paas_jax.transport.dataplane``: N
-      long-lived TCP connections per receiver, zero-copy frames). Control
-      (Begin, Commit, Abort) stays on gRPC either way. A receiver that
+      long-lived TCP connections per receiver, zero-copy frames; Begin and
+      Commit ride them too with ``plane_control``). A receiver that
       announces no data-plane port gets the gRPC path.
     lanes: data-plane connections a transfer stripes over; 0: as many as
       ``tuning``'s link needs (``dataplane.tuning.lanes_for``: 1.5x its

@@ -1,4 +1,4 @@
-"""The seam between the transfer protocol (gRPC control: Begin, Commit, Abort)
+"""The seam between the transfer protocol (Begin, Commit, Abort: gRPC messages)
 and whatever carries the bytes.
 
 Receiving side: a data plane hands every frame it reads to a ``FrameSink``
@@ -6,11 +6,12 @@ Receiving side: a data plane hands every frame it reads to a ``FrameSink``
 Sending side: ``StateSender`` asks its plane for a stream per transfer
 (``open_stream``), ``put``s frames (memoryviews of the encoded objects),
 ``close``s and ``wait``s until the receiver acknowledged every frame; Commit
-then goes over gRPC as before. An RDMA plane (NIXL/UCX, Mooncake) would
-implement the same two calls: register the encoded buffers, post one write
-per object into receiver buffers announced at Begin, and deliver the
-(layer, key, crc32c, buffer) of each completed write to the same
-``FrameSink``; see docs/transport.md.
+then goes over gRPC, or, on a plane that also carries control (the TCP plane's
+BEGIN / COMMIT frames, ``SenderOptions.plane_control``), on its connections.
+An RDMA plane (NIXL/UCX, Mooncake) would implement the same two calls:
+register the encoded buffers, post one write per object into receiver
+buffers announced at Begin, and deliver the (layer, key, crc32c, buffer) of
+each completed write to the same ``FrameSink``; see docs/transport.md.
 """
 
 from __future__ import annotations

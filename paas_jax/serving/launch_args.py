@@ -15,9 +15,14 @@ from paas_jax.netem.link import LinkSpec
 from paas_jax.serving import pd_roles, transfer_flags
 
 
+def _shaped(link: LinkSpec | None) -> bool:
+  """Whether ``link`` emulates a finite rate."""
+  return link is not None and 0 < link.bandwidth_bps < float("inf")
+
+
 def link_bps(link: LinkSpec | None) -> float:
   """The link capacity a broker's router assumes (no emulation: 10 Gbps)."""
-  if link is None or not 0 < link.bandwidth_bps < float("inf"):
+  if not _shaped(link):
     return 10e9
   return float(link.bandwidth_bps)
 
@@ -27,8 +32,7 @@ def widest_link(spec) -> LinkSpec | None:
   the one with the largest bandwidth-delay product: region A's socket buffers
   must fit the longest pipe (more than a shorter one needs costs nothing but
   memory). None without a shaped link."""
-  links = [link for link in (spec.link, *spec.region_links)
-           if link is not None and 0 < link.bandwidth_bps < float("inf")]
+  links = [link for link in (spec.link, *spec.region_links) if _shaped(link)]
   return max(links, key=lambda link: link.bandwidth_bps * link.rtt_s, default=None)
 
 

@@ -226,10 +226,7 @@ def _sender_options(security) -> SenderOptions:
   opts = transfer_flags.sender_options()
   if security is None or security.insecure:
     return opts
-  fields = {"credentials": security.channel_credentials()}
-  if opts.plane == "tcp":
-    fields.update(dp_tls.sender_fields(security, opts.lanes))
-  return dataclasses.replace(opts, **fields)
+  return dp_tls.secured_sender(opts, security)
 
 
 def _fault_plan() -> dict | None:

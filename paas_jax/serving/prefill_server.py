@@ -258,11 +258,7 @@ def start(model, engine_config: EngineConfig, *, host: str = "127.0.0.1", port: 
     credentials = security.server_credentials()
     channel_credentials = security.channel_credentials()
     if sender_options is not None:
-      fields = {"credentials": channel_credentials}
-      if sender_options.plane == "tcp" and sender_options.data_ssl is None:
-        # One replace: TLS credentials without data_ssl is refused on its own.
-        fields.update(dp_tls.sender_fields(security, sender_options.lanes))
-      sender_options = dataclasses.replace(sender_options, **fields)
+      sender_options = dp_tls.secured_sender(sender_options, security)
   servicer = PrefillServicer(model, engine_config, batch_window_s=batch_window_s, codec=codec,
                              sender_options=sender_options,
                              channel_credentials=channel_credentials, max_queue=max_queue,

@@ -12,6 +12,7 @@ gRPC side does with ``target_name_override``.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import ssl
 from typing import Sequence
@@ -87,3 +88,14 @@ def sender_fields(security, lanes: int) -> dict:
   if security is None or security.insecure:
     return {"plane": "tcp", "lanes": lanes}
   return {"plane": "tcp", "lanes": lanes, "data_ssl": client_context(security.tls)}
+
+
+def secured_sender(opts, security):
+  """``opts`` (``SenderOptions``) carrying ``security``'s identity: its gRPC
+  channel credentials and, on the tcp plane without a data-plane context of
+  its own, the data plane's (one replace: TLS credentials without
+  ``data_ssl`` are refused on their own)."""
+  fields = {"credentials": security.channel_credentials()}
+  if opts.plane == "tcp" and opts.data_ssl is None:
+    fields.update(sender_fields(security, opts.lanes))
+  return dataclasses.replace(opts, **fields)
